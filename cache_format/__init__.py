@@ -1,0 +1,11 @@
+"""kdcache logit-cache format: writers, readers, manifest, fingerprint, verify.
+
+Depends only on numpy, pyarrow and zarr. The byte layout is in SPEC.md.
+"""
+from .errors import CacheError, FingerprintError, LockedError, ManifestError, RecordError, ShardError  # noqa: F401
+from .fingerprint import fingerprint, hash_file, hash_json, hash_tree  # noqa: F401
+from .manifest import FORMAT_VERSION, load_manifest  # noqa: F401
+from .reader import Cache, open_cache  # noqa: F401
+from .record import Record, tail_mass_from_logprobs  # noqa: F401
+from .verify import verify_cache  # noqa: F401
+from .writer import CacheWriter, write_cache, write_shard_file  # noqa: F401

@@ -1,0 +1,88 @@
+"""Atomic file and directory publication.
+
+Every write goes: temp name in the same directory, flush, fsync, os.replace,
+fsync of the parent directory. A crash leaves the old state or the new one,
+never a partial file under a final name.
+"""
+import os
+import shutil
+import uuid
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_name(final_path):
+    """A unique hidden sibling of final_path (same filesystem, so rename is atomic)."""
+    head, tail = os.path.split(os.path.abspath(final_path))
+    return os.path.join(head, f".{tail}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def atomic_write_bytes(path, data: bytes):
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def fsync_tree(path):
+    """fsync every file and directory under path (bottom-up)."""
+    for root, _dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
+def publish(tmp_path, final_path):
+    """Move a finished temp file or directory to its final name.
+
+    A directory replaces an existing one (left by an uncommitted earlier attempt)
+    by first moving the old one aside; readers never see a mix of the two.
+    """
+    if os.path.isdir(tmp_path):
+        fsync_tree(tmp_path)
+        if os.path.lexists(final_path):
+            old = temp_name(final_path) + ".old"
+            os.replace(final_path, old)
+            os.replace(tmp_path, final_path)
+            _remove(old)
+        else:
+            os.replace(tmp_path, final_path)
+    else:
+        fd = os.open(tmp_path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp_path, final_path)
+    fsync_dir(os.path.dirname(os.path.abspath(final_path)))
+
+
+def _remove(path):
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def remove(path):
+    _remove(path)

@@ -1,0 +1,97 @@
+"""Content fingerprints: sha256 of canonical, sorted, type-checked JSON.
+
+Built from content only (file bytes, settings, format version), never from
+paths or modification times. Anything that cannot be hashed is an error: a
+random fallback would make every run look new and silently defeat reuse.
+"""
+import hashlib
+import json
+import math
+import os
+
+from .errors import FingerprintError
+
+CHUNK = 1 << 20
+
+
+def canonical_json(obj) -> str:
+    """Canonical JSON of plain data (dict, list, tuple, str, int, float, bool, None).
+
+    Keys are sorted; ints and floats stay distinct (1 vs 1.0); NaN and other
+    types are refused with the offending key path named.
+    """
+    return json.dumps(_check(obj, "$"), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _check(obj, where):
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        if not math.isfinite(obj):
+            raise FingerprintError(f"cannot fingerprint {where}: non-finite float {obj!r}")
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [_check(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise FingerprintError(f"cannot fingerprint {where}: key {k!r} is not a string")
+            out[k] = _check(v, f"{where}.{k}")
+        return out
+    raise FingerprintError(
+        f"cannot fingerprint {where}: value of type {type(obj).__name__} is not plain data "
+        "(convert it to str/int/float/list/dict first)")
+
+
+def hash_json(obj) -> str:
+    return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()
+
+
+def hash_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def hash_file(path) -> str:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(CHUNK), b""):
+                h.update(block)
+    except OSError as e:
+        raise FingerprintError(f"cannot fingerprint file {path}: {e}") from e
+    return h.hexdigest()
+
+
+def hash_tree(path) -> str:
+    """sha256 over (relative path, file sha256) of every file under path, sorted.
+
+    Used both for fingerprints of model directories and for checksums of
+    directory shards (Zarr), so it must not depend on walk order.
+    """
+    if os.path.isfile(path):
+        return hash_file(path)
+    if not os.path.isdir(path):
+        raise FingerprintError(f"cannot hash {path}: no such file or directory")
+    entries = []
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, path).replace(os.sep, "/")
+            entries.append([rel, hash_file(full)])
+    entries.sort()
+    return hash_json(entries)
+
+
+def fingerprint(parts: dict) -> str:
+    """The cache fingerprint: a hash of named parts (each plain data or a hex digest)."""
+    if not isinstance(parts, dict) or not parts:
+        raise FingerprintError("fingerprint parts must be a non-empty dict")
+    return hash_json({k: parts[k] for k in sorted(parts)})
+
+
+def diff_parts(old: dict, new: dict) -> list:
+    """Names of the fingerprint parts that differ (added, removed or changed)."""
+    keys = sorted(set(old) | set(new))
+    return [k for k in keys if hash_json(old.get(k)) != hash_json(new.get(k))]

@@ -1,0 +1,73 @@
+"""The per-sample record every backend stores, and the checks a writer applies."""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import RecordError
+
+
+@dataclass
+class Record:
+    """One sample of a logit cache.
+
+    T tokens, P trained positions, k = top_k.
+      sample_id      int     stable id: the record's index in the source dataset
+      input_ids      int32 [T]     exact token ids the teacher scored, template included
+      positions      int32 [P]     t such that input_ids[t+1] is a trained target; strictly increasing
+      topk_ids       int32 [P, k]  teacher's top-k next-token ids at each position
+      topk_logprobs  float32 [P, k] their log-probabilities (full-vocabulary softmax), descending
+      tail_mass      float32 [P]   1 - sum(exp(topk_logprobs)) at full precision: the mass outside top-k
+      truncated      bool          the sample was cut at max_length (its end-of-turn may be missing)
+    """
+    sample_id: int
+    input_ids: np.ndarray
+    positions: np.ndarray
+    topk_ids: np.ndarray
+    topk_logprobs: np.ndarray
+    tail_mass: np.ndarray
+    truncated: bool = False
+
+    @property
+    def targets(self):
+        """int32 [P]: the token each position predicts, input_ids[positions + 1]."""
+        return self.input_ids[self.positions + 1]
+
+
+def check_record(rec: Record, top_k: int, vocab_size: int) -> Record:
+    """Coerce dtypes and check shapes and invariants; raise RecordError naming the sample."""
+    sid = rec.sample_id
+    ids = np.ascontiguousarray(rec.input_ids, dtype=np.int32)
+    pos = np.ascontiguousarray(rec.positions, dtype=np.int32)
+    tid = np.ascontiguousarray(rec.topk_ids, dtype=np.int32)
+    tlp = np.ascontiguousarray(rec.topk_logprobs, dtype=np.float32)
+    tail = np.ascontiguousarray(rec.tail_mass, dtype=np.float32)
+    T, P = ids.shape[0] if ids.ndim == 1 else -1, pos.shape[0] if pos.ndim == 1 else -1
+
+    def bad(msg):
+        raise RecordError(f"sample {sid}: {msg}")
+
+    if T < 2:
+        bad(f"input_ids must be 1-D with at least 2 tokens, got shape {rec.input_ids.shape}")
+    if P < 1:
+        bad(f"positions must be 1-D and non-empty, got shape {np.shape(rec.positions)}")
+    if tid.shape != (P, top_k) or tlp.shape != (P, top_k):
+        bad(f"topk_ids/topk_logprobs must be [{P}, {top_k}], got {tid.shape} and {tlp.shape}")
+    if tail.shape != (P,):
+        bad(f"tail_mass must be [{P}], got {tail.shape}")
+    if pos[0] < 0 or pos[-1] > T - 2 or (P > 1 and np.any(np.diff(pos) <= 0)):
+        bad(f"positions must be strictly increasing within [0, {T - 2}]")
+    if ids.min() < 0 or ids.max() >= vocab_size or tid.min() < 0 or tid.max() >= vocab_size:
+        bad(f"token ids must lie in [0, {vocab_size})")
+    if not np.all(np.isfinite(tlp)) or tlp.max() > 1e-4:
+        bad("topk_logprobs must be finite and <= 0")
+    if top_k > 1 and np.any(np.diff(tlp, axis=1) > 1e-6):
+        bad("topk_logprobs must be sorted descending along k")
+    if not np.all(np.isfinite(tail)) or tail.min() < -1e-4 or tail.max() > 1 + 1e-4:
+        bad("tail_mass must lie in [0, 1]")
+    return Record(int(sid), ids, pos, tid, tlp, np.clip(tail, 0.0, 1.0), bool(rec.truncated))
+
+
+def tail_mass_from_logprobs(topk_logprobs) -> np.ndarray:
+    """float32 [P]: mass outside the top-k, from full-precision log-probs (float64 sum)."""
+    s = np.exp(np.asarray(topk_logprobs, dtype=np.float64)).sum(axis=-1)
+    return np.clip(1.0 - s, 0.0, 1.0).astype(np.float32)

@@ -1,0 +1,130 @@
+"""`verify`: every checksum and structural invariant of a cache.
+
+Returns a report instead of raising, so one damaged shard does not hide
+another; each problem names the shard file and the reason.
+"""
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backends import READERS
+from .errors import CacheError, RecordError
+from .fingerprint import hash_tree
+from .manifest import SHARD_DIR, load_manifest, safe_shard_path
+from .record import check_record
+
+MASS_TOL = {"float16": 2e-2, "float32": 1e-3}  # |sum(p_topk) + tail - 1| allowed after storage rounding
+
+
+@dataclass
+class Report:
+    directory: str
+    problems: list = field(default_factory=list)   # (where, reason)
+    warnings: list = field(default_factory=list)
+    samples_checked: int = 0
+    shards_checked: int = 0
+
+    @property
+    def ok(self):
+        return not self.problems
+
+
+def verify_cache(directory, *, structure=True) -> Report:
+    """Check checksums, sizes and counts; with structure=True also decode every record."""
+    rep = Report(str(directory))
+    try:
+        m = load_manifest(directory)
+    except CacheError as e:
+        rep.problems.append(("manifest.json", str(e)))
+        return rep
+    for key in ("samples", "tokens", "positions", "bytes"):
+        total = sum(s["num_" + key] if key != "bytes" else s["bytes"] for s in m["shards"])
+        if total != m["counts"][key]:
+            rep.problems.append(("manifest.json", f"counts.{key} is {m['counts'][key]}, shards add up to {total}"))
+    listed = set()
+    seen_ids = set()
+    for info in m["shards"]:
+        listed.add(info["path"])
+        _verify_shard(directory, m, info, rep, seen_ids, structure)
+    _orphans(directory, listed, rep)
+    if not m["complete"]:
+        rep.warnings.append(("manifest.json", f"incomplete: {len(m['shards'])} of "
+                             f"{m['num_shards_planned']} planned shards committed"))
+    return rep
+
+
+def _verify_shard(directory, m, info, rep, seen_ids, structure):
+    try:
+        path = safe_shard_path(directory, info["path"])
+    except CacheError as e:
+        rep.problems.append((info["path"], str(e)))
+        return
+    name = info["path"]
+    if not os.path.exists(path):
+        rep.problems.append((name, "listed in the manifest but missing"))
+        return
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) \
+        if os.path.isdir(path) else os.path.getsize(path)
+    if size != info["bytes"]:
+        rep.problems.append((name, f"size is {size} bytes, the manifest says {info['bytes']} (truncated or replaced)"))
+        return
+    if hash_tree(path) != info["sha256"]:
+        rep.problems.append((name, "sha256 checksum mismatch (the shard's bytes changed after it was committed)"))
+        return
+    rep.shards_checked += 1
+    if structure:
+        try:
+            _verify_records(path, m, info, rep, seen_ids)
+        except CacheError as e:
+            rep.problems.append((name, str(e)))
+
+
+def _verify_records(path, m, info, rep, seen_ids):
+    name, k, V = info["path"], m["top_k"], m["vocab_size"]
+    eos = np.array(m["eos_token_ids"], dtype=np.int64)
+    tol = MASS_TOL[m["logprob_dtype"]]
+    reader = READERS[m["backend"]](path, k)
+    n = tokens = positions = 0
+    prev = None
+    for rec in reader:
+        n += 1
+        try:
+            check_record(rec, k, V)
+        except RecordError as e:
+            rep.problems.append((name, str(e)))
+            continue
+        sid = rec.sample_id
+        tokens += len(rec.input_ids)
+        positions += len(rec.positions)
+        if not info["sample_start"] <= sid < info["sample_end"]:
+            rep.problems.append((name, f"sample {sid} outside the shard's range "
+                                 f"[{info['sample_start']}, {info['sample_end']})"))
+        if prev is not None and sid <= prev:
+            rep.problems.append((name, f"sample ids not increasing ({prev} then {sid})"))
+        if sid in seen_ids:
+            rep.problems.append((name, f"sample {sid} appears twice in the cache"))
+        seen_ids.add(sid)
+        prev = sid
+        mass = np.exp(rec.topk_logprobs.astype(np.float64)).sum(-1) + rec.tail_mass
+        if np.abs(mass - 1).max() > tol:
+            rep.problems.append((name, f"sample {sid}: top-k mass + tail_mass spans "
+                                 f"{mass.min():.4f}..{mass.max():.4f}, expected 1"))
+        if not rec.truncated and not np.isin(rec.targets, eos).any():
+            rep.problems.append((name, f"sample {sid}: no trained position predicts an end-of-turn token "
+                                 f"{eos.tolist()} and the sample is not flagged truncated"))
+    rep.samples_checked += n
+    for what, got in (("samples", n), ("tokens", tokens), ("positions", positions)):
+        if got != info["num_" + what]:
+            rep.problems.append((name, f"holds {got} {what}, the manifest says {info['num_' + what]}"))
+
+
+def _orphans(directory, listed, rep):
+    shard_dir = os.path.join(directory, SHARD_DIR)
+    if not os.path.isdir(shard_dir):
+        return
+    for entry in sorted(os.listdir(shard_dir)):
+        rel = f"{SHARD_DIR}/{entry}"
+        if rel not in listed:
+            rep.warnings.append((rel, "not listed in the manifest: ignored by readers "
+                                 "(left by an interrupted job; a resumed job rewrites it)"))

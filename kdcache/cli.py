@@ -1,0 +1,33 @@
+"""The `kdcache` command: a thin dispatcher. Each subcommand lives in its package."""
+import importlib
+import sys
+
+# name -> (module, function, one-line help). Imported lazily so `kdcache verify`
+# never pays for importing torch or vLLM.
+COMMANDS = {
+    "inspect": ("cache_format.cli", "inspect_main", "summarize a logit cache"),
+    "verify": ("cache_format.cli", "verify_main", "check every checksum and invariant of a cache"),
+}
+
+
+def usage():
+    lines = ["usage: kdcache COMMAND [options]   (kdcache COMMAND --help for details)", "", "commands:"]
+    lines += [f"  {name:<12} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name = argv[0]
+    if name not in COMMANDS:
+        print(f"kdcache: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[name]
+    return getattr(importlib.import_module(module), func)(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

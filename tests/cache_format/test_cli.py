@@ -1,0 +1,44 @@
+import json
+import os
+import subprocess
+import sys
+
+from cache_format import write_cache
+from tests.helpers.records import make_records, writer_kwargs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def kdcache(*args):
+    return subprocess.run([sys.executable, "-m", "kdcache", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_inspect_human_and_json(tmp_path):
+    write_cache(tmp_path, make_records(40), shard_size=15, **writer_kwargs("zarr"))
+    out = kdcache("inspect", tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "complete (3/3 shards)" in out.stdout and "shards/shard-00002.zarr" in out.stdout
+    js = json.loads(kdcache("inspect", tmp_path, "--json").stdout)
+    assert js["manifest"]["counts"]["samples"] == 40
+    assert js["derived"]["bytes_per_position"] > 0
+
+
+def test_verify_exit_codes(tmp_path):
+    write_cache(tmp_path, make_records(20), shard_size=10, **writer_kwargs("arrow"))
+    ok = kdcache("verify", tmp_path)
+    assert ok.returncode == 0 and "OK" in ok.stdout
+    with open(tmp_path / "shards" / "shard-00000.arrow", "ab") as f:
+        f.write(b"junk")
+    bad = kdcache("verify", tmp_path)
+    assert bad.returncode == 1 and "shards/shard-00000.arrow" in bad.stdout
+
+
+def test_not_a_cache_is_a_clear_error(tmp_path):
+    out = kdcache("inspect", tmp_path)
+    assert out.returncode == 2 and "no manifest" in out.stderr
+
+
+def test_dispatcher_help_and_unknown_command():
+    assert "inspect" in kdcache("--help").stdout
+    assert kdcache("frobnicate").returncode == 2

@@ -1,0 +1,229 @@
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from cache_format import (
+    CacheWriter,
+    FingerprintError,
+    LockedError,
+    ManifestError,
+    RecordError,
+    ShardError,
+    open_cache,
+    verify_cache,
+    write_cache,
+)
+from tests.helpers.records import make_records, writer_kwargs
+
+BACKENDS = ["arrow", "zarr"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _shard_file(cache_dir, j, backend):
+    path = os.path.join(cache_dir, "shards", f"shard-{j:05d}.{backend}")
+    if backend == "zarr":   # the biggest payload file inside the group
+        files = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+        return max(files, key=os.path.getsize)
+    return path
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verify_passes_on_sound_cache(tmp_path, backend):
+    write_cache(tmp_path, make_records(80), shard_size=30, **writer_kwargs(backend))
+    rep = verify_cache(tmp_path)
+    assert rep.ok, rep.problems
+    assert rep.samples_checked == 80 and rep.shards_checked == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verify_reports_truncated_shard_by_name(tmp_path, backend):
+    write_cache(tmp_path, make_records(80), shard_size=30, **writer_kwargs(backend))
+    victim = _shard_file(tmp_path, 1, backend)
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    rep = verify_cache(tmp_path)
+    assert not rep.ok
+    assert [w for w, _ in rep.problems] == [f"shards/shard-00001.{backend}"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verify_reports_bit_flip_by_name(tmp_path, backend):
+    write_cache(tmp_path, make_records(80), shard_size=30, **writer_kwargs(backend))
+    victim = _shard_file(tmp_path, 2, backend)
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    rep = verify_cache(tmp_path)
+    assert len(rep.problems) == 1
+    where, why = rep.problems[0]
+    assert where == f"shards/shard-00002.{backend}" and "checksum" in why
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reader_never_sees_unlisted_shard(tmp_path, backend):
+    recs = make_records(40)
+    with CacheWriter(tmp_path, num_shards_planned=2, **writer_kwargs(backend)) as w:
+        w.write_shard(0, recs[:20], sample_start=0, sample_end=20)
+        # A crash after the shard file is published but before the manifest commit:
+        from cache_format import write_shard_file
+        write_shard_file(tmp_path, 1, recs[20:], backend=backend, top_k=8, vocab_size=300,
+                         sample_start=20, sample_end=40)
+    cache = open_cache(tmp_path)
+    assert len(cache) == 20 and cache.num_shards == 1 and not cache.complete
+    assert {r.sample_id for r in cache} == set(range(20))
+    with pytest.raises(IndexError):
+        cache[20]
+    rep = verify_cache(tmp_path)
+    assert rep.ok and any("not listed" in why for _, why in rep.warnings)
+
+
+def test_listed_but_missing_shard_is_an_error(tmp_path):
+    write_cache(tmp_path, make_records(20), shard_size=10, **writer_kwargs("arrow"))
+    os.remove(tmp_path / "shards" / "shard-00001.arrow")
+    cache = open_cache(tmp_path)
+    with pytest.raises(ShardError, match="shard-00001.arrow"):
+        cache[15]
+    assert [w for w, _ in verify_cache(tmp_path).problems] == ["shards/shard-00001.arrow"]
+
+
+def test_concurrent_writer_refused(tmp_path):
+    holder = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        from cache_format.lock import DirLock
+        DirLock({str(tmp_path)!r}).acquire()
+        print("locked", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        w = CacheWriter(tmp_path, num_shards_planned=1, **writer_kwargs("arrow"))
+        with pytest.raises(LockedError, match=f"pid {proc.pid}"):
+            w.open()
+    finally:
+        proc.kill()
+        proc.wait()
+    # The kernel drops the lock of a killed holder: no stale lock.
+    with CacheWriter(tmp_path, num_shards_planned=1, **writer_kwargs("arrow")):
+        pass
+
+
+def test_second_writer_in_same_process_refused(tmp_path):
+    with CacheWriter(tmp_path, num_shards_planned=1, **writer_kwargs("arrow")):
+        with pytest.raises(LockedError):
+            CacheWriter(tmp_path, num_shards_planned=1, **writer_kwargs("arrow")).open()
+
+
+def test_unknown_format_version_refused(tmp_path):
+    write_cache(tmp_path, make_records(5), shard_size=5, **writer_kwargs("arrow"))
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    m["format_version"] = 99
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match=r"format_version 99 is not supported.*version 1"):
+        open_cache(tmp_path)
+
+
+def test_truncated_manifest_is_a_clear_error(tmp_path):
+    write_cache(tmp_path, make_records(5), shard_size=5, **writer_kwargs("arrow"))
+    data = (tmp_path / "manifest.json").read_bytes()
+    (tmp_path / "manifest.json").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ManifestError, match="manifest.json: not valid JSON"):
+        open_cache(tmp_path)
+
+
+@pytest.mark.parametrize("bad", ["../outside.arrow", "/etc/passwd", "shards/../../x.arrow", "shards/link.arrow"])
+def test_manifest_paths_outside_cache_refused(tmp_path, bad):
+    write_cache(tmp_path, make_records(5), shard_size=5, **writer_kwargs("arrow"))
+    os.symlink(tmp_path / "shards" / "shard-00000.arrow", tmp_path / "shards" / "link.arrow")
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    m["shards"][0]["path"] = bad
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match="refused|absolute"):
+        open_cache(tmp_path)
+
+
+def test_resume_with_different_inputs_names_the_difference(tmp_path):
+    write_cache(tmp_path, make_records(5), shard_size=5, **writer_kwargs("arrow"))
+    kw = writer_kwargs("arrow", fingerprint_parts={"teacher": "OTHER", "data": "d"})
+    with pytest.raises(FingerprintError, match="differs in: teacher"):
+        CacheWriter(tmp_path, num_shards_planned=1, **kw).open()
+    kw = writer_kwargs("arrow", k=4)
+    with pytest.raises(FingerprintError, match="differs in: format"):
+        CacheWriter(tmp_path, num_shards_planned=1, **kw).open()
+
+
+def test_resume_skips_committed_shards(tmp_path):
+    recs = make_records(30)
+    with CacheWriter(tmp_path, num_shards_planned=3, **writer_kwargs("arrow")) as w:
+        w.write_shard(0, recs[:10], sample_start=0, sample_end=10)
+    m = write_cache(tmp_path, recs, shard_size=10, **writer_kwargs("arrow"))
+    assert m["complete"] and [s["index"] for s in m["shards"]] == [0, 1, 2]
+    assert [r.sample_id for r in open_cache(tmp_path)] == list(range(30))
+
+
+def test_verify_flags_sample_without_eos(tmp_path):
+    recs = make_records(10)
+    recs[4].input_ids[-1] = 7                       # end-of-turn target dropped: the bug kdcache exists for
+    write_cache(tmp_path, recs, shard_size=10, **writer_kwargs("arrow"))
+    rep = verify_cache(tmp_path)
+    assert len(rep.problems) == 1 and "sample 4" in rep.problems[0][1] and "end-of-turn" in rep.problems[0][1]
+
+
+def test_truncated_sample_may_lack_eos(tmp_path):
+    recs = make_records(10, truncated=True)
+    for r in recs:
+        r.input_ids[-1] = 7
+    write_cache(tmp_path, recs, shard_size=10, **writer_kwargs("zarr"))
+    assert verify_cache(tmp_path).ok
+
+
+def _rec(**over):
+    base = make_records(1, seed=5)[0]
+    for k, v in over.items():
+        setattr(base, k, v)
+    return base
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("topk_logprobs", lambda r: r.topk_logprobs[:, ::-1].copy(), "sorted descending"),
+    ("positions", lambda r: r.positions[::-1].copy(), "strictly increasing"),
+    ("topk_ids", lambda r: r.topk_ids + 1000, r"\[0, 300\)"),
+    ("topk_logprobs", lambda r: np.abs(r.topk_logprobs), "<= 0"),
+    ("tail_mass", lambda r: r.tail_mass[:-1], "tail_mass must be"),
+])
+def test_writer_rejects_broken_records(tmp_path, field, value, msg):
+    rec = _rec()
+    setattr(rec, field, value(rec))
+    with pytest.raises(RecordError, match=msg):
+        write_cache(tmp_path, [rec], shard_size=1, **writer_kwargs("arrow"))
+    assert not (tmp_path / "shards" / "shard-00000.arrow").exists()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failed_shard_write_leaves_no_partial_file(tmp_path, monkeypatch, backend):
+    """An error half-way through a shard write (e.g. disk full) leaves nothing under any name."""
+    from cache_format import arrow_backend, zarr_backend
+    calls = {"n": 0}
+    target = (zarr_backend, "_put") if backend == "zarr" else (arrow_backend, "_batch")
+    real = getattr(*target)
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(28, "No space left on device")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(*target, flaky)
+    with pytest.raises(OSError, match="No space"):
+        write_cache(tmp_path, make_records(300), shard_size=300, **writer_kwargs(backend))
+    assert calls["n"] == 2
+    assert os.listdir(tmp_path / "shards") == []
+    assert open_cache(tmp_path).num_shards == 0
