@@ -95,3 +95,18 @@ def diff_parts(old: dict, new: dict) -> list:
     """Names of the fingerprint parts that differ (added, removed or changed)."""
     keys = sorted(set(old) | set(new))
     return [k for k in keys if hash_json(old.get(k)) != hash_json(new.get(k))]
+
+
+def describe_diff(old: dict, new: dict) -> list:
+    """Readable differences between two parts dicts: 'capture.max_length: 512 -> 1024', 'teacher: content differs'."""
+    out = []
+    for key in diff_parts(old, new):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            for sub in diff_parts(a, b):
+                out.append(f"{key}.{sub}: {a.get(sub)!r} -> {b.get(sub)!r}")
+        elif a is None or b is None:
+            out.append(f"{key}: {'added' if a is None else 'removed'}")
+        else:
+            out.append(f"{key}: content differs")
+    return out

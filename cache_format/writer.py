@@ -8,7 +8,7 @@ import os
 
 from .backends import DEFAULT_CODEC, get_backend
 from .errors import FingerprintError, ManifestError
-from .fingerprint import diff_parts, fingerprint
+from .fingerprint import describe_diff, fingerprint
 from .lock import DirLock
 from .manifest import (
     MANIFEST_NAME,
@@ -92,10 +92,10 @@ class CacheWriter:
                 raise ManifestError(f"{self.directory}: planned {old['num_shards_planned']} shards before, "
                                     f"{new['num_shards_planned']} now, with the same fingerprint")
             return
-        differ = diff_parts(old.get("fingerprint_parts", {}), new["fingerprint_parts"])
+        differ = describe_diff(old.get("fingerprint_parts", {}), new["fingerprint_parts"])
         raise FingerprintError(
             f"{self.directory} already holds a cache made from different inputs "
-            f"(differs in: {', '.join(differ) or 'unknown parts'}). "
+            f"(differs in: {'; '.join(differ) or 'unknown parts'}). "
             "Use a new --out directory, or delete this one to start over.")
 
     def done_indices(self):

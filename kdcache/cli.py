@@ -5,6 +5,7 @@ import sys
 # name -> (module, function, one-line help). Imported lazily so `kdcache verify`
 # never pays for importing torch or vLLM.
 COMMANDS = {
+    "precompute": ("pipeline.cli", "main", "run the teacher once over a dataset and write a logit cache"),
     "inspect": ("cache_format.cli", "inspect_main", "summarize a logit cache"),
     "verify": ("cache_format.cli", "verify_main", "check every checksum and invariant of a cache"),
 }

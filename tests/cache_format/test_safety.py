@@ -153,10 +153,10 @@ def test_manifest_paths_outside_cache_refused(tmp_path, bad):
 def test_resume_with_different_inputs_names_the_difference(tmp_path):
     write_cache(tmp_path, make_records(5), shard_size=5, **writer_kwargs("arrow"))
     kw = writer_kwargs("arrow", fingerprint_parts={"teacher": "OTHER", "data": "d"})
-    with pytest.raises(FingerprintError, match="differs in: teacher"):
+    with pytest.raises(FingerprintError, match="differs in: teacher: content differs"):
         CacheWriter(tmp_path, num_shards_planned=1, **kw).open()
     kw = writer_kwargs("arrow", k=4)
-    with pytest.raises(FingerprintError, match="differs in: format"):
+    with pytest.raises(FingerprintError, match=r"differs in: format.top_k: 8 -> 4"):
         CacheWriter(tmp_path, num_shards_planned=1, **kw).open()
 
 

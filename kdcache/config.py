@@ -1,0 +1,120 @@
+"""Typed dataclass configs: YAML file plus command-line flags, unknown keys refused.
+
+A config class is a dataclass whose fields carry `help` (and optionally
+`choices`) in their metadata; `__post_init__` validates and raises
+ConfigError naming the key. Used by `pipeline` and `train` alike.
+"""
+import argparse
+import dataclasses
+import os
+import typing
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad key or value in a config file or flag."""
+
+
+def field(default, help, choices=None, **kw):  # noqa: A002 - mirrors argparse's name
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
+    return dataclasses.field(default=default, metadata=meta, **kw)
+
+
+def _base_type(tp):
+    """(python type, optional) of an annotation like `int`, `float | None`, `list`."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    optional = type(None) in typing.get_args(tp)
+    if args and typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return args[0], optional
+    return (typing.get_origin(tp) or tp), optional
+
+
+def _coerce(cls, name, value):
+    hints = typing.get_type_hints(cls)
+    tp, optional = _base_type(hints[name])
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{name}: null is not allowed (expected {tp.__name__})")
+    try:
+        if tp is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if tp is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        if tp in (list, dict):
+            if not isinstance(value, tp):
+                raise ValueError(value)
+            return value
+        return tp(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected {tp.__name__}, got {value!r}") from None
+
+
+def load(cls, path=None, overrides=None):
+    """Build cls from defaults <- YAML file <- overrides (flags). Unknown keys are refused."""
+    values = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path} does not exist")
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}     # safe_load: a config never executes code
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of keys to values, got {type(data).__name__}")
+        values.update(data)
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"unknown config key(s){where}: {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}")
+    for f in dataclasses.fields(cls):
+        choices = f.metadata.get("choices")
+        if f.name in values:
+            values[f.name] = _coerce(cls, f.name, values[f.name])
+            if choices and values[f.name] not in choices:
+                raise ConfigError(f"{f.name}: {values[f.name]!r} is not one of {list(choices)}")
+    return cls(**values)
+
+
+def add_flags(parser: argparse.ArgumentParser, cls, skip=()):
+    """One --flag per field (underscores become dashes); defaults stay None so the YAML wins."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        tp, _ = _base_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_ = f"{f.metadata.get('help', '')} (default: {default!r})"
+        if tp is bool:
+            parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_)
+        elif tp in (list, dict):
+            continue   # YAML only
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(),
+                                choices=f.metadata.get("choices"), help=help_)
+    return parser
+
+
+def overrides_from(args, cls):
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def to_dict(cfg):
+    return dataclasses.asdict(cfg)
+
+
+def dump(cfg, path):
+    """Save the resolved config next to an output (atomic, so a crash leaves no half file)."""
+    from cache_format.atomic import atomic_write_bytes
+    atomic_write_bytes(path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())

@@ -1,0 +1,65 @@
+"""Precompute settings: one typed dataclass, from YAML and flags."""
+from dataclasses import dataclass
+
+from kdcache.config import ConfigError, field
+
+
+@dataclass
+class PrecomputeConfig:
+    teacher: str = field("", "teacher model directory (weights, config, tokenizer)")
+    data: str = field("", "dataset: .jsonl, .parquet, or a datasets save_to_disk directory")
+    out: str = field("", "cache directory to write (resumed if it holds the same job)")
+    tokenizer: str | None = field(None, "tokenizer directory (default: the teacher's)")
+    top_k: int = field(64, "teacher log-probs kept per position")
+    backend: str = field("auto", "teacher backend: vllm, hf, or auto (vllm if importable)",
+                         choices=("auto", "vllm", "hf"))
+    mode: str = field("score", "score the dataset's completions, or generate new ones with the teacher",
+                      choices=("score", "generate"))
+    format: str = field("arrow", "storage backend", choices=("arrow", "zarr"))
+    codec: str | None = field(None, "compression codec (default: the backend's smallest)")
+    logprob_dtype: str = field("float16", "stored precision of log-probs", choices=("float16", "float32"))
+    template: str = field("auto", "render records with the tokenizer's chat template, or raw concatenation",
+                          choices=("auto", "chat", "raw"))
+    max_length: int = field(2048, "maximum tokens per sample (prompt + completion)")
+    overlong: str = field("truncate", "over-long samples: truncate (flagged in the cache) or drop (counted)",
+                          choices=("truncate", "drop"))
+    on_bad_record: str = field("fail", "malformed records: fail the job, or skip them (counted and listed)",
+                               choices=("fail", "skip"))
+    shard_size: int = field(256, "samples per shard (the unit of work and of resume)")
+    workers: int = field(1, "teacher workers (one per GPU; on CPU, a count)")
+    worker_cpus: float = field(1.0, "Ray CPUs reserved per worker (fractions allowed)")
+    worker_gpus: float = field(-1.0, "Ray GPUs per worker; -1 = 1 if the cluster has GPUs, else 0")
+    threads: int = field(0, "torch threads per hf worker (0 = all cores / workers)")
+    max_in_flight: int = field(2, "shards queued per worker (bounds memory)")
+    batch_tokens: int = field(8192, "tokens per teacher forward batch")
+    dtype: str = field("auto", "teacher compute dtype: auto = float32 on CPU, bfloat16 on GPU",
+                       choices=("auto", "float32", "bfloat16", "float16"))
+    ray_address: str | None = field(None, "existing Ray cluster (default: start a local Ray for the job)")
+    trust_remote_code: bool = field(False, "allow model code from the teacher directory to run")
+    eos_tokens: list = field([], "extra end-of-turn token strings (YAML only)")
+    gen_max_new_tokens: int = field(256, "generate mode: maximum new tokens")
+    gen_temperature: float = field(1.0, "generate mode: sampling temperature (0 = greedy)")
+    gen_top_p: float = field(1.0, "generate mode: nucleus sampling threshold")
+    seed: int = field(0, "seed for generation")
+    progress: bool = field(True, "show a progress bar")
+
+    def __post_init__(self):
+        for key in ("teacher", "data", "out"):
+            if not getattr(self, key):
+                raise ConfigError(f"{key}: required (set it in the config file or with --{key})")
+        checks = [
+            ("top_k", 1 <= self.top_k <= 4096, "must be in [1, 4096]"),
+            ("max_length", self.max_length >= 2, "must be >= 2"),
+            ("shard_size", self.shard_size >= 1, "must be >= 1"),
+            ("workers", self.workers >= 1, "must be >= 1"),
+            ("worker_cpus", self.worker_cpus > 0, "must be > 0"),
+            ("max_in_flight", self.max_in_flight >= 1, "must be >= 1"),
+            ("batch_tokens", self.batch_tokens >= 1, "must be >= 1"),
+            ("gen_max_new_tokens", self.gen_max_new_tokens >= 1, "must be >= 1"),
+            ("gen_temperature", self.gen_temperature >= 0, "must be >= 0"),
+            ("gen_top_p", 0 < self.gen_top_p <= 1, "must be in (0, 1]"),
+            ("threads", self.threads >= 0, "must be >= 0"),
+        ]
+        for key, ok, why in checks:
+            if not ok:
+                raise ConfigError(f"{key}: {getattr(self, key)!r} {why}")

@@ -1,0 +1,151 @@
+"""Dataset readers and the record parser.
+
+Sources: JSONL, Parquet, or a Hugging Face `datasets` directory saved with
+`save_to_disk`. Each yields RawRecord(index, where, data, error): index counts
+records in file order (the cache's sample_id), `where` is "file:line" or
+"file:row N" for messages. Bad records are never dropped here: they come out
+with `error` set and the job counts, reports, or fails on them.
+"""
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class DataError(ValueError):
+    """The dataset cannot be read, or holds a malformed record under on_bad_record=fail."""
+
+
+class BadRecord(ValueError):
+    """A record that cannot be used; the message says why."""
+
+
+@dataclass
+class RawRecord:
+    index: int
+    where: str
+    data: object = None
+    error: str = None
+
+
+@dataclass
+class Example:
+    """A parsed record. kind: 'chat' (messages), 'pair' (prompt/completion) or 'text'."""
+    kind: str
+    messages: list = None
+    prompt: str = None
+    completion: str = None
+    text: str = None
+
+
+def iter_records(path):
+    """Yield RawRecord for every record of the dataset at path, in a fixed order."""
+    if os.path.isdir(path):
+        yield from _iter_hf_dir(path)
+    elif path.endswith(".parquet"):
+        yield from _iter_table_rows(path, _parquet_batches(path))
+    elif path.endswith((".jsonl", ".json", ".ndjson")):
+        yield from _iter_jsonl(path)
+    elif not os.path.exists(path):
+        raise DataError(f"dataset {path} does not exist (hub dataset names need network access, "
+                                "which this machine has not: save the dataset to disk and pass the directory)")
+    else:
+        raise DataError(f"dataset {path}: unknown format; use .jsonl, .parquet or a `datasets` save_to_disk directory")
+
+
+def _iter_jsonl(path):
+    index = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue                      # blank lines are not records
+            where = f"{path}:{lineno}"
+            try:
+                data = json.loads(raw.decode("utf-8"))
+                error = None
+            except UnicodeDecodeError as e:
+                data, error = None, f"invalid UTF-8 at byte {e.start}"
+            except json.JSONDecodeError as e:
+                data, error = None, f"invalid JSON ({e.msg} at column {e.colno})"
+            yield RawRecord(index, where, data, error)
+            index += 1
+
+
+def _parquet_batches(path):
+    yield from pq.ParquetFile(path).iter_batches(batch_size=1024)
+
+
+def _iter_table_rows(name, batches, start=0):
+    index = start
+    for batch in batches:
+        for row in batch.to_pylist():
+            yield RawRecord(index, f"{name}:row {index - start}", row, None)
+            index += 1
+
+
+def _iter_hf_dir(path):
+    state = os.path.join(path, "state.json")
+    if os.path.isfile(state):
+        with open(state) as f:
+            files = [os.path.join(path, d["filename"]) for d in json.load(f)["_data_files"]]
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.arrow")))
+    if not files:
+        raise DataError(f"dataset directory {path} holds no state.json or .arrow files "
+                         "(expected the output of datasets' save_to_disk)")
+    index = 0
+    for fname in files:
+        with pa.memory_map(fname) as src:
+            try:
+                reader = pa.ipc.open_stream(src)
+            except pa.ArrowInvalid:
+                reader = pa.ipc.open_file(src)
+                reader = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            for rec in _iter_table_rows(fname, reader, start=index):
+                yield rec
+                index = rec.index + 1
+
+
+def _need_str(d, key, where_key=None, allow_empty=False):
+    v = d.get(key)
+    if not isinstance(v, str):
+        raise BadRecord(f"field {where_key or key!r} must be a string, got {type(v).__name__}")
+    if not allow_empty and not v.strip():
+        raise BadRecord(f"field {where_key or key!r} is empty or whitespace only")
+    return v
+
+
+def parse_record(data) -> Example:
+    """Check the record's shape and types; raise BadRecord naming the field. Unknown fields are ignored."""
+    if not isinstance(data, dict):
+        raise BadRecord(f"record must be a JSON object, got {type(data).__name__}")
+    if "messages" in data:
+        msgs = data["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRecord("field 'messages' must be a non-empty list")
+        out = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise BadRecord(f"messages[{i}] must be an object, got {type(m).__name__}")
+            role = m.get("role")
+            if role not in ROLES:
+                raise BadRecord(f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}")
+            content = _need_str(m, "content", f"messages[{i}].content", allow_empty=role != "assistant")
+            out.append({"role": role, "content": content})
+        if not any(m["role"] == "assistant" for m in out):
+            raise BadRecord("chat has no assistant turn, so nothing to distill")
+        return Example("chat", messages=out)
+    if "prompt" in data:
+        key = "completion" if "completion" in data else "response" if "response" in data else None
+        if key is None:
+            raise BadRecord("field 'prompt' needs a 'completion' (or 'response') field")
+        return Example("pair", prompt=_need_str(data, "prompt", allow_empty=True), completion=_need_str(data, key))
+    if "text" in data:
+        return Example("text", text=_need_str(data, "text"))
+    raise BadRecord(f"record has none of the fields 'messages', 'prompt'+'completion', 'text' "
+                    f"(found: {sorted(data)[:8]})")

@@ -1,0 +1,137 @@
+"""Examples -> token ids and trained positions, in training semantics.
+
+Every assistant turn is a completion. Its targets run from the first token
+after the generation prompt through the end-of-turn token (inclusive): the
+position that predicts `<|im_end|>` (or the tokenizer's EOS) is always
+trained. Template text rendered after the end-of-turn token (ChatML's "\n")
+is not, because generation stops at the end-of-turn token.
+
+A target j is trained at position j-1 (the cache's `positions`).
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .data import Example
+
+
+class Skip(ValueError):
+    """A sample that cannot be used under the job's policy; str(e) is the reason, e.reason the key."""
+
+    def __init__(self, reason, message):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class Encoded:
+    input_ids: list          # int token ids (score: the whole sequence; generate: the prompt)
+    positions: np.ndarray    # int32 [P] (score mode); empty in generate mode
+    truncated: bool = False
+
+
+def end_of_turn_ids(tok, extra=()):
+    """Token ids that end an assistant turn: the tokenizer's EOS, the template's end-of-turn, extras."""
+    ids = {int(t) for t in extra}
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    if getattr(tok, "chat_template", None):
+        marker = "kdcacheANSWERkdcache"
+        text = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+                                       tokenize=False)
+        after = text[text.index(marker) + len(marker):]
+        enc = tok(after, add_special_tokens=False)["input_ids"]
+        special = set(tok.all_special_ids)
+        first = next((t for t in enc if t in special), None)
+        if first is not None:
+            ids.add(int(first))
+    if not ids:
+        raise ValueError("the tokenizer defines no EOS token and its chat template no end-of-turn token; "
+                         "name one with eos_tokens in the config")
+    return sorted(ids)
+
+
+class Encoder:
+    def __init__(self, tok, *, template="auto", max_length=2048, overlong="truncate", eos_ids=(), mode="score"):
+        self.tok = tok
+        self.has_template = bool(getattr(tok, "chat_template", None))
+        if template == "chat" and not self.has_template:
+            raise ValueError("template=chat but the tokenizer has no chat_template")
+        self.template = ("chat" if self.has_template else "raw") if template == "auto" else template
+        self.max_length, self.overlong, self.mode = max_length, overlong, mode
+        self.eos_ids = set(eos_ids) or set(end_of_turn_ids(tok))
+        self.eos = int(tok.eos_token_id) if tok.eos_token_id is not None else min(self.eos_ids)
+
+    # -- score mode: whole sequence plus trained spans ---------------------------------
+    def encode(self, ex: Example) -> Encoded:
+        if self.mode == "generate":
+            return self.encode_prompt(ex)
+        if ex.kind == "chat":
+            ids, spans = self._chat(ex.messages)
+        elif ex.kind == "pair" and self.template == "chat":
+            ids, spans = self._chat([{"role": "user", "content": ex.prompt},
+                                     {"role": "assistant", "content": ex.completion}])
+        elif ex.kind == "pair":
+            p = self.tok(ex.prompt, add_special_tokens=True)["input_ids"]
+            c = self.tok(ex.completion, add_special_tokens=False)["input_ids"] + [self.eos]
+            ids, spans = p + c, [(len(p), len(p) + len(c))]
+        else:  # text: every token is a target; EOS appended so the end of a document is learned
+            ids = self.tok(ex.text, add_special_tokens=True)["input_ids"] + [self.eos]
+            spans = [(1, len(ids))]
+        targets = np.concatenate([np.arange(max(a, 1), b) for a, b in spans]).astype(np.int32)
+        return self._limit(ids, targets - 1)
+
+    def _limit(self, ids, positions):
+        truncated = False
+        if len(ids) > self.max_length:
+            if self.overlong == "drop":
+                raise Skip("too_long", f"{len(ids)} tokens > max_length {self.max_length} (overlong=drop)")
+            ids, truncated = ids[:self.max_length], True
+            positions = positions[positions <= self.max_length - 2]
+        if len(positions) == 0:
+            raise Skip("no_targets", f"no completion token within max_length {self.max_length}"
+                       if truncated else "no completion tokens")
+        return Encoded(list(map(int, ids)), positions.astype(np.int32), truncated)
+
+    def _render(self, messages, gen_prompt=False):
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
+
+    def _chat(self, messages):
+        """Token ids of the whole chat and the [start, end) target span of every assistant turn."""
+        full = self._render(messages)
+        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        starts = np.array([o[0] for o in offsets])
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            head = self._render(messages[:i], gen_prompt=True)
+            upto = self._render(messages[:i + 1])
+            if not full.startswith(head) or not full.startswith(upto):
+                raise Skip("template", f"the chat template does not render turn {i} as a prefix of the chat; "
+                           "token-exact spans need a prefix-stable template")
+            a = int(np.searchsorted(starts, len(head)))
+            b = int(np.searchsorted(starts, len(upto)))
+            if a >= len(ids) or starts[a] != len(head):
+                raise Skip("template", f"assistant turn {i} starts inside a token; cannot align its span")
+            eot = next((j for j in range(a, b) if ids[j] in self.eos_ids), None)
+            spans.append((a, eot + 1 if eot is not None else b))
+        return ids, spans
+
+    # -- generate mode: the prompt only ----------------------------------------------------
+    def encode_prompt(self, ex: Example) -> Encoded:
+        if ex.kind == "text":
+            raise Skip("text_in_generate", "plain text records have no prompt to generate from")
+        if ex.kind == "chat":
+            msgs = ex.messages
+            last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+            ids = self.tok(self._render(msgs[:last], gen_prompt=True), add_special_tokens=False)["input_ids"]
+        elif self.template == "chat":
+            ids = self.tok(self._render([{"role": "user", "content": ex.prompt}], gen_prompt=True),
+                           add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.tok(ex.prompt, add_special_tokens=True)["input_ids"]
+        if len(ids) >= self.max_length:
+            raise Skip("too_long", f"prompt of {len(ids)} tokens leaves no room under max_length {self.max_length}")
+        return Encoded(list(map(int, ids)), np.zeros(0, np.int32), False)

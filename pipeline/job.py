@@ -1,0 +1,288 @@
+"""The precompute driver: plan shards, fingerprint, run teacher workers on Ray, commit, report.
+
+Read top to bottom: scan the dataset -> fingerprint -> open (or resume) the
+cache -> start Ray workers -> stream shards through them with bounded
+in-flight work -> commit each finished shard -> summary.
+"""
+import json
+import os
+import signal
+import sys
+import time
+from collections import Counter
+
+from cache_format import CacheWriter, hash_json, hash_tree
+from cache_format.atomic import atomic_write_bytes
+from cache_format.tokenizer_id import tokenizer_identity
+
+from .data import BadRecord, DataError, iter_records, parse_record
+from .encode import Encoder, Skip, end_of_turn_ids
+
+REPORT_DIR = "report"
+
+
+def resolve_backend(cfg):
+    if cfg.backend != "auto":
+        return cfg.backend
+    try:
+        import vllm  # noqa: F401
+        return "vllm"
+    except ImportError:
+        return "hf"
+
+
+def encode_all(cfg, encoder):
+    """Yield (raw record, Encoded or None, (reason, message) or None) for every record, in order."""
+    for raw in iter_records(cfg.data):
+        if raw.error:
+            yield raw, None, ("bad_record", raw.error)
+            continue
+        try:
+            yield raw, encoder.encode(parse_record(raw.data)), None
+        except BadRecord as e:
+            yield raw, None, ("bad_record", str(e))
+        except Skip as e:
+            yield raw, None, (e.reason, str(e))
+
+
+def scan(cfg, encoder):
+    """First pass: count records and find every one that will be skipped, before any teacher work."""
+    n, skipped = 0, []
+    for raw, _, skip in encode_all(cfg, encoder):
+        n += 1
+        if skip:
+            skipped.append({"sample_id": raw.index, "where": raw.where, "reason": skip[0], "message": skip[1]})
+    return n, skipped
+
+
+def fingerprint_parts(cfg, tok_identity, eos_ids, backend, dtype):
+    capture = {"mode": cfg.mode, "max_length": cfg.max_length, "overlong": cfg.overlong,
+               "template": cfg.template, "eos_token_ids": eos_ids, "backend": backend, "dtype": dtype,
+               "on_bad_record": cfg.on_bad_record}
+    if cfg.mode == "generate":
+        capture.update(max_new_tokens=cfg.gen_max_new_tokens, temperature=cfg.gen_temperature,
+                       top_p=cfg.gen_top_p, seed=cfg.seed)
+    return {
+        "teacher": hash_tree(cfg.teacher),                 # weights + config, by content
+        "tokenizer": hash_json(tok_identity),
+        "data": hash_tree(cfg.data),
+        "capture": capture,
+    }
+
+
+def iter_units(cfg, encoder, todo):
+    """Yield the work units in `todo` (shard index -> items), streaming the dataset once."""
+    current, items = None, []
+    for raw, enc, skip in encode_all(cfg, encoder):
+        j = raw.index // cfg.shard_size
+        if j != current:
+            if current in todo:
+                yield current, items
+            current, items = j, []
+        if skip is None and j in todo:
+            items.append((raw.index, enc.input_ids, enc.positions, enc.truncated))
+    if current in todo:
+        yield current, items
+
+
+class StopFlag:
+    """SIGTERM/SIGHUP/SIGINT: finish in-flight shards, commit them, exit 0. A second signal exits at once."""
+
+    def __init__(self):
+        self.stop = False
+        self._old = {}
+
+    def install(self):
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.stop:
+            print(f"\n{signal.Signals(signum).name} again: exiting now; committed shards are safe.", file=sys.stderr)
+            os._exit(130)
+        self.stop = True
+        print(f"\n{signal.Signals(signum).name}: finishing the shards in flight, then stopping "
+              "(rerun the same command to resume).", file=sys.stderr)
+
+    def restore(self):
+        for sig, h in self._old.items():
+            signal.signal(sig, h)
+
+
+def worker_gpus(cfg):
+    """GPUs per worker: as configured, else 1 where GPUs exist (asks the cluster only if one is named)."""
+    if cfg.worker_gpus >= 0:
+        return cfg.worker_gpus
+    if cfg.ray_address:
+        import ray
+        start_ray(cfg)
+        return 1.0 if ray.cluster_resources().get("GPU", 0) else 0.0
+    import torch
+    return 1.0 if torch.cuda.is_available() else 0.0
+
+
+def start_ray(cfg):
+    """Connect to cfg.ray_address, or start a local Ray bound to 127.0.0.1 for this job."""
+    import ray
+    if not ray.is_initialized():
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                     _node_ip_address="127.0.0.1", configure_logging=False)
+    return ray
+
+
+def run_precompute(cfg):
+    t_start = time.time()
+    from transformers import AutoConfig, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.teacher, trust_remote_code=cfg.trust_remote_code)
+    extra = [tok.convert_tokens_to_ids(t) for t in cfg.eos_tokens]
+    eos_ids = end_of_turn_ids(tok, extra)
+    encoder = Encoder(tok, template=cfg.template, max_length=cfg.max_length, overlong=cfg.overlong,
+                      eos_ids=eos_ids, mode=cfg.mode)
+
+    n_records, skipped = scan(cfg, encoder)
+    bad = [s for s in skipped if s["reason"] == "bad_record"]
+    if bad and cfg.on_bad_record == "fail":
+        first = bad[0]
+        raise DataError(f"{first['where']}: {first['message']} ({len(bad)} malformed record(s) in all; "
+                        "fix them, or pass --on-bad-record skip to skip and list them)")
+    n_units = max(1, -(-n_records // cfg.shard_size))
+
+    backend = resolve_backend(cfg)
+    gpus = worker_gpus(cfg)
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if gpus > 0 else "float32")
+    vocab_size = AutoConfig.from_pretrained(cfg.teacher, trust_remote_code=cfg.trust_remote_code).vocab_size
+    tok_id = tokenizer_identity(tok)
+    parts = fingerprint_parts(cfg, tok_id, eos_ids, backend, dtype)
+    meta = {"teacher": os.path.basename(os.path.abspath(cfg.teacher)), "dataset": os.path.basename(cfg.data),
+            "mode": cfg.mode, "teacher_backend": backend, "dtype": dtype, "tokenizer": tok_id,
+            "records": n_records, "skipped": dict(Counter(s["reason"] for s in skipped))}
+    writer = CacheWriter(cfg.out, backend=cfg.format, top_k=cfg.top_k, vocab_size=vocab_size,
+                         eos_token_ids=eos_ids, fingerprint_parts=parts, num_shards_planned=n_units,
+                         logprob_dtype=cfg.logprob_dtype, codec=cfg.codec, meta=meta)
+    with writer:
+        _save_reports(cfg, skipped)
+        todo = set(range(n_units)) - writer.done_indices()
+        at_start = len(writer.manifest["shards"])
+        if not todo:
+            print(f"{cfg.out}: cache already complete ({n_units} shards); nothing to do.")
+            return _summary(cfg, writer, skipped, t_start, 0, 0.0, at_start)
+        if writer.resumed:
+            print(f"{cfg.out}: resuming, {n_units - len(todo)} of {n_units} shards already committed.")
+        expected = n_records - len(skipped)
+        ray = start_ray(cfg)
+        run_tokens, teacher_s, stopped = _run_units(cfg, ray, gpus, writer, encoder, todo, backend, dtype,
+                                                    vocab_size, eos_ids, n_records, expected)
+        summary = _summary(cfg, writer, skipped, t_start, run_tokens, teacher_s, at_start)
+        if stopped:
+            print(f"stopped early with {len(todo) - summary['shards_this_run']} shard(s) left; "
+                  "rerun the same command to resume.")
+        return summary
+
+
+def _run_units(cfg, ray, gpus, writer, encoder, todo, backend, dtype, vocab_size, eos_ids, n_records, expected):
+    from .worker import TeacherWorker
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
+    teacher_kwargs = dict(dtype=dtype, max_length=cfg.max_length, max_top_k=cfg.top_k, seed=cfg.seed,
+                          trust_remote_code=cfg.trust_remote_code, batch_tokens=cfg.batch_tokens, threads=threads)
+    cache_kwargs = dict(backend=cfg.format, top_k=cfg.top_k, vocab_size=vocab_size,
+                        logprob_dtype=cfg.logprob_dtype, codec=writer.codec)
+    gen_kwargs = dict(max_new_tokens=cfg.gen_max_new_tokens, temperature=cfg.gen_temperature, top_p=cfg.gen_top_p,
+                      seed=cfg.seed, eos_ids=eos_ids, max_length=cfg.max_length)
+    Actor = ray.remote(TeacherWorker).options(num_cpus=cfg.worker_cpus, num_gpus=gpus)
+    workers = [Actor.remote(backend, cfg.teacher, teacher_kwargs, cache_kwargs, gen_kwargs, cfg.mode)
+               for _ in range(min(cfg.workers, len(todo)))]
+    ray.get([w.ready.remote() for w in workers])
+
+    flag = StopFlag().install()
+    pending, free = {}, list(workers) * cfg.max_in_flight
+    bar = _progress(cfg, expected, writer.manifest["counts"]["samples"])
+    run_tokens, teacher_s, t0 = 0, 0.0, time.perf_counter()
+    units = iter_units(cfg, encoder, todo)
+    try:
+        while True:
+            while free and not flag.stop:
+                nxt = next(units, None)
+                if nxt is None:
+                    break
+                j, items = nxt
+                w = free.pop(0)
+                unit = {"directory": os.path.abspath(cfg.out), "index": j, "items": items,
+                        "sample_start": j * cfg.shard_size, "sample_end": min((j + 1) * cfg.shard_size, n_records)}
+                pending[w.run.remote(unit)] = w
+            if not pending:
+                break
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                free.append(pending.pop(ref))
+                res = ray.get(ref)
+                info = res["info"]
+                writer.commit(info)
+                run_tokens += res["tokens"]
+                teacher_s += res["teacher_s"]
+                bar.update(info["num_samples"])
+                bar.set_postfix(tok_s=f"{run_tokens / (time.perf_counter() - t0):,.0f}",
+                                shards=f"{len(writer.manifest['shards'])}/{writer.manifest['num_shards_planned']}")
+    finally:
+        bar.close()
+        flag.restore()
+        for w in workers:
+            ray.kill(w)
+    return run_tokens, teacher_s, flag.stop
+
+
+def _progress(cfg, total, initial):
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, unit="sample", desc="precompute", disable=not cfg.progress,
+                dynamic_ncols=True)
+
+
+def _save_reports(cfg, skipped):
+    d = os.path.join(cfg.out, REPORT_DIR)
+    os.makedirs(d, exist_ok=True)
+    lines = "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in skipped)
+    atomic_write_bytes(os.path.join(d, "skipped.jsonl"), lines.encode("utf-8"))
+    from kdcache.config import dump
+    dump(cfg, os.path.join(d, "precompute.yaml"))
+
+
+def _summary(cfg, writer, skipped, t_start, run_tokens, teacher_s, shards_at_start):
+    m = writer.manifest
+    c = m["counts"]
+    wall = time.time() - t_start
+    summary = {
+        "cache": cfg.out, "complete": m["complete"], "shards": f"{len(m['shards'])}/{m['num_shards_planned']}",
+        "shards_this_run": len(m["shards"]) - shards_at_start,
+        "records": m["meta"]["records"], "samples_written": c["samples"],
+        "skipped": dict(Counter(s["reason"] for s in skipped)),
+        "truncated": sum(s.get("num_truncated", 0) for s in m["shards"]),
+        "tokens": c["tokens"], "positions": c["positions"], "bytes": c["bytes"],
+        "bytes_per_position": round(c["bytes"] / c["positions"], 1) if c["positions"] else None,
+        "wall_s": round(wall, 1), "tokens_this_run": run_tokens,
+        "throughput_tok_s": round(run_tokens / wall, 1) if wall else None,
+        "teacher_s": round(teacher_s, 1), "resumed": shards_at_start > 0,
+    }
+    atomic_write_bytes(os.path.join(cfg.out, REPORT_DIR, "summary.json"),
+                       json.dumps(summary, indent=1).encode())
+    _print_summary(summary, skipped)
+    return summary
+
+
+def _print_summary(s, skipped):
+    print("\nprecompute summary")
+    rows = [("cache", f"{s['cache']} ({'complete' if s['complete'] else 'INCOMPLETE'}, {s['shards']} shards)"),
+            ("samples written", f"{s['samples_written']:,} of {s['records']:,} records"),
+            ("skipped", ", ".join(f"{k}: {v}" for k, v in sorted(s["skipped"].items())) or "none"),
+            ("truncated", s["truncated"]),
+            ("tokens", f"{s['tokens']:,} ({s['positions']:,} scored positions)"),
+            ("size", f"{s['bytes'] / 1e6:.2f} MB, {s['bytes_per_position']} B/position"),
+            ("wall time", f"{s['wall_s']} s"),
+            ("throughput", f"{s['throughput_tok_s']:,} tokens/s this run (wall clock, startup included)"
+             if s["tokens_this_run"] else "no teacher work")]
+    for k, v in rows:
+        print(f"  {k:<16} {v}")
+    if skipped:
+        print(f"  skipped records are listed in {os.path.join(s['cache'], REPORT_DIR, 'skipped.jsonl')}")

@@ -1,0 +1,73 @@
+"""Main teacher backend: vLLM's offline engine.
+
+Token-id prompts only (never text), `prompt_logprobs=k` with `max_logprobs`
+raised, flat logprob output, no detokenization. vLLM's prompt_logprobs[j] is
+the distribution predicting prompt token j; our position t predicts token
+t+1, so position t reads entry t+1.
+"""
+import os
+
+import numpy as np
+
+
+class VLLMTeacher:
+    name = "vllm"
+
+    def __init__(self, model_path, *, dtype="float32", max_length=2048, max_top_k=64, seed=0,
+                 trust_remote_code=False, gpu_memory_utilization=0.85, batch_tokens=8192, **_):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        from vllm import LLM
+        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, max_model_len=max_length,
+                       max_logprobs=max_top_k + 1, seed=seed, trust_remote_code=trust_remote_code,
+                       gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=False,
+                       max_num_batched_tokens=max(batch_tokens, max_length), enable_prefix_caching=False)
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+
+    def score(self, seqs, positions, k):
+        """Same contract as HFTeacher.score."""
+        from vllm import SamplingParams, TokensPrompt
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in seqs], sp, use_tqdm=False)
+        return [_topk_from_flat(o.prompt_logprobs, np.asarray(pos), k, len(s))
+                for o, pos, s in zip(outs, positions, seqs)]
+
+    def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, eos_ids):
+        """One sampled completion per prompt (per-prompt budget and seed). Returns [(ids, ended_with_eos)]."""
+        from vllm import SamplingParams, TokensPrompt
+        params = [SamplingParams(max_tokens=int(n), temperature=temperature, top_p=top_p, seed=int(sd),
+                                 stop_token_ids=[int(t) for t in eos_ids], detokenize=False)
+                  for n, sd in zip(max_new_tokens, seeds)]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts], params,
+                                 use_tqdm=False)
+        res = []
+        for o in outs:
+            new = list(o.outputs[0].token_ids)
+            res.append((new, bool(new) and new[-1] in eos_ids))
+        return res
+
+
+def _topk_from_flat(flat, positions, k, T):
+    """(ids [P,k], logprobs [P,k], tail [P]) from vLLM FlatLogprobs for prompt positions."""
+    start = np.asarray(flat.start_indices)
+    end = np.asarray(flat.end_indices)
+    ids = np.asarray(flat.token_ids, dtype=np.int64)
+    lps = np.asarray(flat.logprobs, dtype=np.float64)
+    ranks = np.asarray([r if r is not None else -1 for r in flat.ranks], dtype=np.int64)
+    if len(start) != T:
+        raise RuntimeError(f"vLLM returned prompt logprobs for {len(start)} positions, expected {T}")
+    out_ids = np.empty((len(positions), k), dtype=np.int32)
+    out_lp = np.empty((len(positions), k), dtype=np.float64)
+    for row, t in enumerate(positions):
+        a, b = start[t + 1], end[t + 1]
+        r, i, lp = ranks[a:b], ids[a:b], lps[a:b]
+        # Each entry holds the prompt token (any rank) plus ranks 1..k; keep ranks 1..k, once each.
+        sel = np.flatnonzero((r >= 1) & (r <= k))
+        _, first = np.unique(r[sel], return_index=True)
+        sel = sel[first]
+        if len(sel) != k:
+            raise RuntimeError(f"vLLM gave {len(sel)} top-k entries at prompt position {t + 1}, expected {k}")
+        order = sel[np.argsort(r[sel], kind="stable")]
+        out_ids[row], out_lp[row] = i[order], lp[order]
+    tail = np.clip(1.0 - np.exp(out_lp).sum(-1), 0.0, 1.0)
+    return out_ids, out_lp.astype(np.float32), tail.astype(np.float32)
