@@ -45,15 +45,15 @@ class Example:
 
 def iter_records(path):
     """Yield RawRecord for every record of the dataset at path, in a fixed order."""
+    if not os.path.exists(path):
+        raise DataError(f"dataset {path} does not exist (hub dataset names need network access, "
+                        "which this machine has not: save the dataset to disk and pass the directory)")
     if os.path.isdir(path):
         yield from _iter_hf_dir(path)
     elif path.endswith(".parquet"):
         yield from _iter_table_rows(path, _parquet_batches(path))
     elif path.endswith((".jsonl", ".json", ".ndjson")):
         yield from _iter_jsonl(path)
-    elif not os.path.exists(path):
-        raise DataError(f"dataset {path} does not exist (hub dataset names need network access, "
-                                "which this machine has not: save the dataset to disk and pass the directory)")
     else:
         raise DataError(f"dataset {path}: unknown format; use .jsonl, .parquet or a `datasets` save_to_disk directory")
 

@@ -1,0 +1,72 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.data import BadRecord, DataError, iter_records, parse_record
+from tests.conftest import write_jsonl
+
+CHAT = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+
+
+@pytest.mark.parametrize("data,msg", [
+    ([1, 2], "must be a JSON object"),
+    ({"foo": 1}, "none of the fields"),
+    ({"messages": []}, "non-empty list"),
+    ({"messages": [{"role": "user", "content": "q"}]}, "no assistant turn"),
+    ({"messages": [{"role": "wizard", "content": "q"}, {"role": "assistant", "content": "a"}]}, "role must be"),
+    ({"messages": [{"content": "q"}, {"role": "assistant", "content": "a"}]}, "role must be"),
+    ({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "a"}]}, "must be a string"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  \n"}]}, "whitespace"),
+    ({"messages": ["hi"]}, r"messages\[0\] must be an object"),
+    ({"prompt": "p"}, "needs a 'completion'"),
+    ({"prompt": "p", "completion": ""}, "empty"),
+    ({"prompt": 3, "completion": "c"}, "'prompt' must be a string"),
+    ({"text": None}, "'text' must be a string"),
+])
+def test_bad_records_name_the_field(data, msg):
+    with pytest.raises(BadRecord, match=msg):
+        parse_record(data)
+
+
+def test_good_shapes_and_unknown_fields_ignored():
+    assert parse_record({**CHAT, "id": 7}).kind == "chat"
+    assert parse_record({"prompt": "", "response": "r"}).completion == "r"
+    assert parse_record({"text": "t", "meta": {}}).kind == "text"
+
+
+def test_jsonl_reports_file_and_line_and_keeps_indices(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps(CHAT), "", "{not json", json.dumps(CHAT)])
+    with open(path, "ab") as f:
+        f.write(b'{"text": "caf\xe9"}\n')            # invalid UTF-8
+    recs = list(iter_records(path))
+    assert [r.index for r in recs] == [0, 1, 2, 3]    # blank line is not a record
+    assert recs[1].where.endswith("d.jsonl:3") and "invalid JSON" in recs[1].error
+    assert recs[2].where.endswith("d.jsonl:4") and recs[2].error is None
+    assert recs[3].where.endswith("d.jsonl:5") and "invalid UTF-8" in recs[3].error
+
+
+def test_parquet_and_hf_directory(tmp_path):
+    table = pa.table({"prompt": ["a", "b"], "completion": ["x", "y"]})
+    pq.write_table(table, tmp_path / "d.parquet")
+    recs = list(iter_records(str(tmp_path / "d.parquet")))
+    assert [r.data["completion"] for r in recs] == ["x", "y"] and recs[1].where.endswith("row 1")
+    # The layout of datasets' save_to_disk: Arrow stream files listed in state.json.
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for i, t in enumerate([table, pa.table({"prompt": ["c"], "completion": ["z"]})]):
+        with pa.OSFile(str(hf / f"data-{i:05d}-of-00002.arrow"), "wb") as sink, pa.ipc.new_stream(sink, t.schema) as w:
+            w.write_table(t)
+    (hf / "state.json").write_text(json.dumps({"_data_files": [{"filename": f"data-{i:05d}-of-00002.arrow"}
+                                                               for i in range(2)]}))
+    recs = list(iter_records(str(hf)))
+    assert [(r.index, r.data["completion"]) for r in recs] == [(0, "x"), (1, "y"), (2, "z")]
+
+
+def test_unknown_or_missing_dataset_is_a_clear_error(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        list(iter_records(str(tmp_path / "nope.jsonl")))
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unknown format"):
+        list(iter_records(str(tmp_path / "d.csv")))

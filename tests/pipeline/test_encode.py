@@ -1,0 +1,85 @@
+import numpy as np
+import pytest
+
+from pipeline.data import parse_record
+from pipeline.encode import Encoder, Skip, end_of_turn_ids
+
+MULTI = {"messages": [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": "sql, python"},
+    {"role": "user", "content": "second question"},
+    {"role": "assistant", "content": "docker"},
+]}
+
+
+def targets(enc):
+    return [enc.input_ids[p + 1] for p in enc.positions]
+
+
+def test_end_of_turn_is_the_template_stop_token(tiny):
+    tok = tiny["tok"]
+    assert end_of_turn_ids(tok) == [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_chat_targets_are_assistant_text_plus_end_of_turn(tiny):
+    tok = tiny["tok"]
+    enc = Encoder(tok).encode(parse_record(MULTI))
+    # Token-exact: the ids are the tokenizer's ids of the rendered template, nothing re-templated.
+    assert enc.input_ids == tok(tok.apply_chat_template(MULTI["messages"], tokenize=False),
+                                add_special_tokens=False)["input_ids"]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    t = targets(enc)
+    # Every assistant turn is trained, each through its end-of-turn token; nothing else is.
+    assert t.count(im_end) == 2
+    text = tok.decode(t)
+    assert text == "sql, python<|im_end|>docker<|im_end|>"
+    assert "question" not in text and "brief" not in text
+
+
+def test_eos_position_is_the_last_trained_position(tiny):
+    tok = tiny["tok"]
+    for rec in tiny["train"][:20]:
+        enc = Encoder(tok).encode(parse_record(rec))
+        assert enc.input_ids[enc.positions[-1] + 1] == tok.eos_token_id
+        assert np.all(np.diff(enc.positions) == 1)       # single turn: one contiguous span
+
+
+def test_pair_with_template_equals_two_turn_chat(tiny):
+    tok = tiny["tok"]
+    a = Encoder(tok).encode(parse_record({"prompt": "hello there", "completion": "sql"}))
+    b = Encoder(tok).encode(parse_record({"messages": [{"role": "user", "content": "hello there"},
+                                                       {"role": "assistant", "content": "sql"}]}))
+    assert a.input_ids == b.input_ids and np.array_equal(a.positions, b.positions)
+
+
+def test_pair_raw_and_text_append_eos(tiny):
+    tok = tiny["tok"]
+    enc = Encoder(tok, template="raw").encode(parse_record({"prompt": "hello", "completion": "docker sql"}))
+    assert tok.decode(targets(enc)) == "docker sql<|im_end|>"
+    enc = Encoder(tok).encode(parse_record({"text": "docker and sql"}))
+    assert enc.positions[0] == 0 and len(enc.positions) == len(enc.input_ids) - 1
+    assert enc.input_ids[-1] == tok.eos_token_id
+
+
+def test_truncate_flags_and_drop_skips(tiny):
+    tok = tiny["tok"]
+    full = Encoder(tok).encode(parse_record(MULTI))
+    cut = Encoder(tok, max_length=len(full.input_ids) - 3).encode(parse_record(MULTI))
+    assert cut.truncated and len(cut.input_ids) == len(full.input_ids) - 3
+    assert cut.positions.max() <= len(cut.input_ids) - 2
+    with pytest.raises(Skip) as e:
+        Encoder(tok, max_length=len(full.input_ids) - 3, overlong="drop").encode(parse_record(MULTI))
+    assert e.value.reason == "too_long"
+    with pytest.raises(Skip) as e:
+        Encoder(tok, max_length=5).encode(parse_record(MULTI))   # nothing of any answer fits
+    assert e.value.reason == "no_targets"
+
+
+def test_generate_mode_encodes_prompt_up_to_generation_prompt(tiny):
+    tok = tiny["tok"]
+    enc = Encoder(tok, mode="generate").encode(parse_record(MULTI))
+    want = tok.apply_chat_template(MULTI["messages"][:4], tokenize=False, add_generation_prompt=True)
+    assert tok.decode(enc.input_ids) == want
+    with pytest.raises(Skip):
+        Encoder(tok, mode="generate").encode(parse_record({"text": "x"}))

@@ -1,0 +1,161 @@
+"""End to end: `kdcache precompute` on Ray with the hf backend, resume, refusal, bad records, kill -9."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from cache_format import open_cache, verify_cache
+from tests.conftest import ROOT, write_jsonl
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MULTI = {"messages": [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": "sql, python"},
+    {"role": "user", "content": "second question"},
+    {"role": "assistant", "content": "docker"},
+]}
+
+
+def precompute(*args, timeout=300):
+    env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "kdcache", "precompute", "--no-progress", "--worker-cpus", "0.5",
+                           *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny, tmp_path_factory):
+    """A finished cache over chat, multi-turn, prompt/completion and text records plus two bad lines."""
+    d = tmp_path_factory.mktemp("mixed")
+    rows = [tiny["train"][0], MULTI, {"prompt": "hello there", "completion": "sql"}, "{broken json",
+            {"text": "docker and kubernetes"}, {"messages": [{"role": "user", "content": "no answer"}]},
+            tiny["train"][1], tiny["train"][2]]
+    data = write_jsonl(d / "data.jsonl", rows)
+    out = d / "cache"
+    args = ["--teacher", tiny["teacher"], "--data", data, "--out", out, "--backend", "hf", "--top-k", 16,
+            "--shard-size", 3, "--on-bad-record", "skip"]
+    res = precompute(*args)
+    assert res.returncode == 0, res.stderr
+    return {"out": out, "data": data, "args": args, "stdout": res.stdout, "rows": rows}
+
+
+def test_cache_is_sound_and_bad_records_are_listed(mixed):
+    rep = verify_cache(mixed["out"])
+    assert rep.ok, rep.problems
+    cache = open_cache(mixed["out"])
+    assert [r.sample_id for r in cache] == [0, 1, 2, 4, 6, 7]           # 3 and 5 skipped, ids stable
+    skipped = [json.loads(x) for x in open(mixed["out"] / "report" / "skipped.jsonl")]
+    assert [(s["sample_id"], s["where"].rsplit(":", 1)[1]) for s in skipped] == [(3, "4"), (5, "6")]
+    summary = json.load(open(mixed["out"] / "report" / "summary.json"))
+    assert summary["skipped"] == {"bad_record": 2} and summary["samples_written"] == 6
+    assert "skipped" in mixed["stdout"] and "bad_record: 2" in mixed["stdout"]
+
+
+def test_eos_position_present_and_equal_to_direct_forward(mixed, tiny):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny["teacher"], dtype=torch.float32).eval()
+    cache = open_cache(mixed["out"])
+    eos = set(cache.eos_token_ids)
+    for rec in cache:
+        is_eos = np.isin(rec.targets, list(eos))
+        assert is_eos.any(), f"sample {rec.sample_id} lost its end-of-turn position"
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([rec.input_ids.tolist()])).logits[0].float(), -1)
+        want_lp, want_ids = lp[torch.as_tensor(rec.positions.astype(np.int64))].topk(16, dim=-1)
+        np.testing.assert_array_equal(rec.topk_ids[is_eos], want_ids.numpy()[is_eos])
+        np.testing.assert_allclose(rec.topk_logprobs, want_lp.numpy(), atol=4e-3)   # float16 storage
+        tail = 1 - want_lp.double().exp().sum(-1).numpy()
+        np.testing.assert_allclose(rec.tail_mass, tail, atol=1e-5)
+
+
+def test_multi_turn_trains_every_assistant_turn_and_no_user_turn(mixed, tiny):
+    tok = tiny["tok"]
+    rec = open_cache(mixed["out"])[1]
+    assert rec.sample_id == 1
+    assert tok.decode(rec.targets.tolist()) == "sql, python<|im_end|>docker<|im_end|>"
+
+
+def test_rerun_is_a_noop_that_says_so(mixed):
+    before = (mixed["out"] / "manifest.json").read_text()
+    res = precompute(*mixed["args"])
+    assert res.returncode == 0 and "nothing to do" in res.stdout
+    assert (mixed["out"] / "manifest.json").read_text() == before
+
+
+def test_different_settings_into_same_directory_refused(mixed):
+    args = list(mixed["args"])
+    args[args.index("--top-k") + 1] = 8
+    res = precompute(*args, "--max-length", 512)
+    assert res.returncode == 2
+    assert "format.top_k: 16 -> 8" in res.stderr and "capture.max_length: 2048 -> 512" in res.stderr
+
+
+def test_bad_record_fails_by_default_naming_file_and_line(mixed, tmp_path):
+    args = list(mixed["args"])
+    args[args.index("--out") + 1] = tmp_path / "c"
+    args = args[:args.index("--on-bad-record")]
+    res = precompute(*args)
+    assert res.returncode == 2 and "data.jsonl:4: invalid JSON" in res.stderr
+    assert not (tmp_path / "c").exists()                      # failed before any teacher work
+
+
+def test_kill9_then_resume_equals_uninterrupted(tiny, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:60])
+    common = ["--teacher", tiny["teacher"], "--data", data, "--backend", "hf", "--top-k", 8, "--shard-size", 2,
+              "--format", "zarr", "--workers", 1]
+    ref = precompute(*common, "--out", tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr
+
+    out = tmp_path / "killed"
+    env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "kdcache", "precompute", "--no-progress", "--worker-cpus", "0.5",
+                             *map(str, common), "--out", str(out)], cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    committed = 0
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            committed = len(json.loads((out / "manifest.json").read_text())["shards"])
+        except (OSError, ValueError):
+            committed = 0
+        if committed >= 4:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the job finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 4 <= committed < 30
+    assert verify_cache(out).ok                              # what was committed is sound
+
+    res = precompute(*common, "--out", out)
+    assert res.returncode == 0, res.stderr
+    assert "resuming" in res.stdout
+    a, b = open_cache(tmp_path / "ref"), open_cache(out)
+    assert len(a) == len(b) == 60 and b.complete
+    for ra, rb in zip(a, b):
+        assert ra.sample_id == rb.sample_id
+        for f in ("input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass"):
+            np.testing.assert_array_equal(getattr(ra, f), getattr(rb, f))
+    assert verify_cache(out).ok
+
+
+def test_generate_mode_stores_teacher_completions(tiny, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:4])
+    res = precompute("--teacher", tiny["teacher"], "--data", data, "--out", tmp_path / "g", "--backend", "hf",
+                     "--mode", "generate", "--gen-max-new-tokens", 6, "--top-k", 8)
+    assert res.returncode == 0, res.stderr
+    tok = tiny["tok"]
+    for raw, rec in zip(tiny["train"][:4], open_cache(tmp_path / "g")):
+        prompt = tok.apply_chat_template(raw["messages"][:2], tokenize=False, add_generation_prompt=True)
+        n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+        assert rec.positions[0] == n_prompt - 1 and rec.positions[-1] == len(rec.input_ids) - 2
+        ended = rec.input_ids[-1] == tok.eos_token_id
+        assert rec.truncated == (not ended)                  # random teacher: no EOS within 6 tokens is flagged
+    assert verify_cache(tmp_path / "g").ok
