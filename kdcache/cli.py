@@ -6,6 +6,7 @@ import sys
 # never pays for importing torch or vLLM.
 COMMANDS = {
     "precompute": ("pipeline.cli", "main", "run the teacher once over a dataset and write a logit cache"),
+    "train": ("train.cli", "main", "distil a student from a logit cache (DeepSpeed, resumable)"),
     "inspect": ("cache_format.cli", "inspect_main", "summarize a logit cache"),
     "verify": ("cache_format.cli", "verify_main", "check every checksum and invariant of a cache"),
 }

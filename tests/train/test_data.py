@@ -1,0 +1,99 @@
+import numpy as np
+import pytest
+
+from cache_format import write_cache
+from tests.helpers.records import make_records, writer_kwargs
+from train.data import CacheStream, DataStateError, collate
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("c")
+    write_cache(d, make_records(53, seed=3), shard_size=8, **writer_kwargs("arrow"))   # 7 shards, last has 5
+    return d
+
+
+def order(stream, n=None):
+    out = []
+    for rec, _ in stream.samples():
+        out.append(rec.sample_id)
+        if n and len(out) == n:
+            break
+    return out
+
+
+def test_order_is_a_function_of_seed_and_epoch(cache_dir):
+    a = order(CacheStream(cache_dir, seed=1, epochs=2))
+    assert a == order(CacheStream(cache_dir, seed=1, epochs=2))
+    assert a != order(CacheStream(cache_dir, seed=2, epochs=2))
+    e0, e1 = a[:53], a[53:]
+    assert sorted(e0) == sorted(e1) == list(range(53)) and e0 != e1      # every sample once per epoch, reshuffled
+    assert order(CacheStream(cache_dir, shuffle=False, epochs=1)) == list(range(53))
+
+
+def test_shuffled_within_shards_not_only_across(cache_dir):
+    a = order(CacheStream(cache_dir, seed=0, epochs=1))
+    first_shard = a[:8]
+    assert len({s // 8 for s in first_shard}) == 1 and first_shard != sorted(first_shard)
+
+
+def test_ranks_read_disjoint_parts_that_cover_the_cache(cache_dir):
+    parts = [order(CacheStream(cache_dir, rank=r, world=3, seed=4, epochs=1)) for r in range(3)]
+    flat = [s for p in parts for s in p]
+    assert sorted(flat) == list(range(53))
+
+
+def test_resume_from_any_state_continues_with_exactly_the_next_samples(cache_dir):
+    ref = CacheStream(cache_dir, seed=5, epochs=2, batch_size=3)
+    batches = list(ref.batches())
+    flat = [r.sample_id for b, _ in batches for r in b]
+    for cut in (1, 2, 7, 17, len(batches) - 1):
+        s = CacheStream(cache_dir, seed=5, epochs=2, batch_size=3)
+        s.load_state_dict(batches[cut - 1][1])
+        rest = [r.sample_id for b, _ in s.batches() for r in b]
+        done = sum(len(b) for b, _ in batches[:cut])
+        assert rest == flat[done:]
+
+
+def test_too_few_shards_for_ranks_is_refused(cache_dir):
+    with pytest.raises(DataStateError, match="7 shard"):
+        CacheStream(cache_dir, world=8)
+
+
+def test_token_budget_limits_padded_batch(cache_dir):
+    s = CacheStream(cache_dir, seed=0, epochs=1, batch_size=100, max_tokens=200)
+    for batch, _ in s.batches():
+        longest = max(len(r.input_ids) for r in batch)
+        assert len(batch) == 1 or longest * len(batch) <= 200
+
+
+def test_collate_aligns_positions_and_targets():
+    recs = make_records(3, seed=9)
+    b = collate(recs, pad_id=0, student_vocab=300)
+    assert b["input_ids"].shape == (3, max(len(r.input_ids) for r in recs))
+    assert b["n_positions"] == sum(len(r.positions) for r in recs)
+    want = np.concatenate([r.targets for r in recs])
+    np.testing.assert_array_equal(b["targets"].numpy(), want)
+    assert int(b["attention_mask"].sum()) == sum(len(r.input_ids) for r in recs)
+
+
+def test_teacher_ids_outside_student_vocab_move_to_tail():
+    """Padded vocabularies differ (e.g. 152064 vs 151936): such teacher ids leave the support, mass -> tail."""
+    recs = make_records(2, seed=1, vocab=300)
+    for r in recs:
+        r.input_ids = np.minimum(r.input_ids, 149).astype(np.int32)   # inputs fit a 150-row student
+    assert collate(recs, pad_id=0, student_vocab=300)["n_outside_vocab"] == 0
+    b = collate(recs, pad_id=0, student_vocab=150)
+    tid = np.concatenate([r.topk_ids for r in recs])
+    outside = tid >= 150
+    assert b["n_outside_vocab"] == int(outside.sum()) > 0
+    assert (b["topk_ids"].numpy()[outside] == -1).all() and (b["topk_ids"].numpy()[~outside] == tid[~outside]).all()
+    tlp = np.concatenate([r.topk_logprobs for r in recs])
+    tail = np.concatenate([r.tail_mass for r in recs])
+    np.testing.assert_allclose(b["tail_mass"].numpy(), tail + np.where(outside, np.exp(tlp), 0).sum(1), atol=1e-6)
+
+
+def test_input_ids_outside_student_vocab_is_an_error():
+    recs = make_records(1, seed=1, vocab=300)
+    with pytest.raises(DataStateError, match="tokenizers differ"):
+        collate(recs, pad_id=0, student_vocab=int(recs[0].input_ids.max()))

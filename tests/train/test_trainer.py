@@ -1,0 +1,154 @@
+"""`kdcache train` end to end under DeepSpeed (CPU, gloo): learning, normalisation, signals, resume, ranks."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, write_jsonl
+from tests.pipeline.test_precompute import precompute
+
+pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny, tmp_path_factory):
+    """A peaked teacher's cache over 48 demo records (6 shards) and a fresh student config."""
+    from kdcache.demo.models import make_model, save
+    d = tmp_path_factory.mktemp("trainer")
+    teacher = make_model(tiny["tok"], "test", seed=11)
+    with torch.no_grad():
+        teacher.model.norm.weight.mul_(6.0)        # sharper distributions: a KL worth reducing
+    save(teacher, tiny["tok"], str(d / "teacher"))
+    data = write_jsonl(d / "d.jsonl", tiny["train"][:48])
+    res = precompute("--teacher", d / "teacher", "--data", data, "--out", d / "cache", "--backend", "hf",
+                     "--top-k", 32, "--shard-size", 8)
+    assert res.returncode == 0, res.stderr
+    student = make_model(tiny["tok"], "test", seed=5)
+    student.config.save_pretrained(str(d / "student"))
+    tiny["tok"].save_pretrained(str(d / "student"))
+    return {"cache": d / "cache", "student": d / "student", "dir": d}
+
+
+def train_cmd(setup, out, *extra):
+    return [sys.executable, "-m", "kdcache", "train", "--cache", str(setup["cache"]), "--student",
+            str(setup["student"]), "--out", str(out), "--no-progress", "--lr", "3e-3", "--warmup-steps", "2",
+            *map(str, extra)]
+
+
+def run(cmd, timeout=400):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def losses(out):
+    return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def test_training_lowers_the_distillation_loss_and_saves_a_loadable_student(setup, tmp_path):
+    res = run(train_cmd(setup, tmp_path / "o", "--max-steps", 30, "--batch-size", 4, "--save-every", 10))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = losses(tmp_path / "o")
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    first, last = sum(r["kd"] for r in rows[:3]) / 3, sum(r["kd"] for r in rows[-3:]) / 3
+    assert last < 0.7 * first, (first, last)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "o" / "final")
+    assert model.config.vocab_size == len(json.load(open(tmp_path / "o" / "final" / "tokenizer.json"))["model"]["vocab"])
+    assert (tmp_path / "o" / "loss_curve.png").stat().st_size > 1000
+    ckpts = sorted(os.listdir(tmp_path / "o" / "checkpoints"))
+    assert ckpts == ["step-00000020", "step-00000030"]          # keep_checkpoints=2
+
+
+def test_loss_is_normalised_over_all_positions_of_the_accumulation_window(setup, tmp_path):
+    """batch 4 x accum 1 and batch 1 x accum 4 see the same samples: same losses, same updates."""
+    a = run(train_cmd(setup, tmp_path / "a", "--max-steps", 3, "--batch-size", 4, "--no-shuffle", "--save-every", 0))
+    b = run(train_cmd(setup, tmp_path / "b", "--max-steps", 3, "--batch-size", 1, "--grad-accum", 4, "--no-shuffle",
+                      "--save-every", 0))
+    assert a.returncode == 0 and b.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
+    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    for x, y in zip(la, lb):
+        assert x["positions"] == y["positions"]
+        assert abs(x["loss"] - y["loss"]) < 1e-5 * max(1.0, abs(x["loss"])), (x, y)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_signal_mid_run_then_resume_gives_identical_losses(setup, tmp_path, sig):
+    steps = 24
+    ref_out = setup["dir"] / "ref-run"
+    if not (ref_out / "train_summary.json").exists():
+        ref = run(train_cmd(setup, ref_out, "--max-steps", steps, "--batch-size", 2, "--save-every", 0))
+        assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "o"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen(train_cmd(setup, out, "--max-steps", steps, "--batch-size", 2, "--save-every", 0),
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if (out / "metrics.jsonl").exists() and len(open(out / "metrics.jsonl").readlines()) >= 3:
+            break
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    assert f"stopped by {sig.name}" in output and "Resume with" in output
+    stopped_at = len(losses(out))
+    assert 3 <= stopped_at < steps, "the signal arrived after the run finished; make the run longer"
+    res = run(train_cmd(setup, out, "--max-steps", steps, "--batch-size", 2, "--save-every", 0))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout
+    got, want = losses(out), losses(ref_out)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]      # bit-identical on CPU
+
+
+def test_half_written_checkpoint_is_never_picked(setup, tmp_path):
+    out = tmp_path / "o"
+    res = run(train_cmd(setup, out, "--max-steps", 4, "--batch-size", 2, "--save-every", 2))
+    assert res.returncode == 0, res.stderr[-3000:]
+    ck = out / "checkpoints"
+    os.rename(ck / "step-00000004", ck / ".tmp-step-00000004")     # as if a crash hit the save
+    (ck / "step-00000009").mkdir()                                   # a directory without complete.json
+    from train.checkpoint import resolve_resume
+    assert resolve_resume(str(out), "auto").endswith("step-00000002")
+    res = run(train_cmd(setup, out, "--max-steps", 5, "--batch-size", 2, "--save-every", 0))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout and "step-00000002" in res.stdout
+
+
+def test_two_processes_on_gloo(setup, tmp_path):
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           "-m", "kdcache", *train_cmd(setup, out, "--max-steps", 4, "--batch-size", 2, "--save-every", 2,
+                                       "--threads", 1)[3:]]
+    res = run(cmd)
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:])
+    rows = losses(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    ck = out / "checkpoints" / "step-00000004"
+    assert (ck / "rank-00000.json").exists() and (ck / "rank-00001.json").exists()
+    assert json.load(open(ck / "complete.json"))["world_size"] == 2
+
+
+def test_tokenizer_mismatch_refused(setup, tmp_path):
+    from kdcache.demo.tokenizer import train_tokenizer
+    other = tmp_path / "other"
+    train_tokenizer(["a completely different corpus of words"] * 20, str(other), vocab_size=300)
+    res = run(train_cmd(setup, tmp_path / "o", "--tokenizer", other, "--max-steps", 1))
+    assert res.returncode == 2
+    assert "tokenizer differs" in res.stderr and "vocabulary" in res.stderr
+
+
+def test_bad_config_values_are_refused_with_the_key(setup, tmp_path):
+    res = run(train_cmd(setup, tmp_path / "o", "--beta", "1.5"))
+    assert res.returncode == 2 and "beta" in res.stderr
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("temprature: 2.0\n")
+    res = run(train_cmd(setup, tmp_path / "o", "--config", cfg))
+    assert res.returncode == 2 and "unknown config key" in res.stderr and "temprature" in res.stderr

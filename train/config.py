@@ -1,0 +1,73 @@
+"""Trainer settings: one typed dataclass, from YAML and flags."""
+from dataclasses import dataclass
+
+from kdcache.config import ConfigError, field
+
+
+@dataclass
+class TrainConfig:
+    cache: str = field("", "logit cache directory written by `kdcache precompute`")
+    student: str = field("", "student model directory, or a config.json to initialise a fresh student")
+    out: str = field("", "output directory: checkpoints, metrics, final model")
+    tokenizer: str | None = field(None, "student tokenizer directory (default: the student directory)")
+    # loss
+    beta: float = field(0.0, "generalized JSD beta: 0 forward KL(T||S), 1 reverse KL(S||T)")
+    temperature: float = field(1.0, "distillation temperature tau (loss scaled by tau^2)")
+    tail: str = field("tail", "teacher mass outside top-k: tail bucket, or renorm over the top-k",
+                      choices=("tail", "renorm"))
+    sft_alpha: float = field(0.0, "weight of the cross-entropy term on the cached completion tokens")
+    loss_chunk: int = field(1024, "positions per loss chunk (bounds [chunk, vocab] float32 memory)")
+    # optimisation
+    lr: float = field(5e-4, "peak learning rate (AdamW)")
+    min_lr_ratio: float = field(0.1, "final learning rate as a fraction of lr (cosine decay)")
+    warmup_steps: int = field(10, "linear warmup steps")
+    weight_decay: float = field(0.0, "AdamW weight decay")
+    grad_clip: float = field(1.0, "gradient norm clipping (0 = off)")
+    batch_size: int = field(8, "samples per micro-batch per rank")
+    max_tokens: int = field(0, "token budget per micro-batch (padded tokens; 0 = no budget)")
+    grad_accum: int = field(1, "micro-batches per optimizer step")
+    max_steps: int = field(0, "optimizer steps (0 = run `epochs` epochs)")
+    epochs: int = field(1, "passes over the cache when max_steps is 0")
+    seed: int = field(0, "seed of the data order, initialisation and RNGs")
+    shuffle: bool = field(True, "shuffle shards and samples each epoch (--no-shuffle: cache order)")
+    # runtime
+    deepspeed: str = field("0", "ZeRO stage 0-3, or a DeepSpeed JSON config file")
+    save_every: int = field(100, "checkpoint every N optimizer steps (0 = only at the end and on signals)")
+    keep_checkpoints: int = field(2, "complete checkpoints kept")
+    resume: str = field("auto", "auto (latest complete checkpoint in out/), never, or a checkpoint path")
+    require_eos: bool = field(True, "refuse a cache whose first batch lacks end-of-turn positions")
+    prefetch: int = field(2, "shards decoded ahead in the background")
+    log_every: int = field(1, "steps between metric lines")
+    threads: int = field(0, "torch threads on CPU (0 = all cores / ranks)")
+    trust_remote_code: bool = field(False, "allow model code from the student directory to run")
+    progress: bool = field(True, "show a progress bar")
+    stop_after: int = field(0, "testing aid: behave as if SIGTERM arrived after this step (0 = off)")
+
+    def __post_init__(self):
+        for key in ("cache", "student", "out"):
+            if not getattr(self, key):
+                raise ConfigError(f"{key}: required (set it in the config file or with --{key})")
+        checks = [
+            ("beta", 0.0 <= self.beta <= 1.0, "must be in [0, 1]"),
+            ("temperature", self.temperature > 0, "must be > 0"),
+            ("sft_alpha", self.sft_alpha >= 0, "must be >= 0"),
+            ("loss_chunk", self.loss_chunk >= 1, "must be >= 1"),
+            ("lr", self.lr > 0, "must be > 0"),
+            ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]"),
+            ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
+            ("grad_clip", self.grad_clip >= 0, "must be >= 0"),
+            ("batch_size", self.batch_size >= 1, "must be >= 1"),
+            ("max_tokens", self.max_tokens >= 0, "must be >= 0"),
+            ("grad_accum", self.grad_accum >= 1, "must be >= 1"),
+            ("max_steps", self.max_steps >= 0, "must be >= 0"),
+            ("epochs", self.epochs >= 1, "must be >= 1"),
+            ("save_every", self.save_every >= 0, "must be >= 0"),
+            ("keep_checkpoints", self.keep_checkpoints >= 1, "must be >= 1"),
+            ("prefetch", self.prefetch >= 1, "must be >= 1"),
+            ("log_every", self.log_every >= 1, "must be >= 1"),
+        ]
+        for key, ok, why in checks:
+            if not ok:
+                raise ConfigError(f"{key}: {getattr(self, key)!r} {why}")
+        if self.deepspeed not in ("0", "1", "2", "3") and not self.deepspeed.endswith(".json"):
+            raise ConfigError(f"deepspeed: {self.deepspeed!r} must be a ZeRO stage 0-3 or a .json config file")

@@ -1,0 +1,222 @@
+"""Distillation losses on a cached teacher top-k: generalized JSD (GKD) over buckets, plus an optional SFT term.
+
+Shapes: N trained positions, V student vocabulary, k cached teacher entries per position, H hidden size,
+B buckets per position (k + 1 in "tail" mode, k in "renorm" mode). Everything is computed in float32.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+_NEG_INF = float("-inf")
+# Reverse KL (beta == 1) divides by the teacher, and a teacher bucket can be exactly 0 (tail_mass rounds to 0 when
+# the top-k holds almost everything). There only, teacher log-probs are clamped to >= log(1e-30) so the loss stays
+# finite (at most ~69 nats per unit of student mass on that bucket). Buckets with p >= 1e-30 are untouched.
+TEACHER_LOGP_FLOOR = math.log(1e-30)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class LossConfig:
+    beta: float = 0.0  # 0 forward KL, 1 reverse KL, between: generalized JSD
+    temperature: float = 1.0
+    tail: str = "tail"  # "tail" or "renorm"
+    sft_alpha: float = 0.0
+    chunk_size: int = 1024  # positions per chunk in the chunked loss
+
+    def __post_init__(self):
+        checks = [
+            ("beta", _is_real(self.beta) and 0.0 <= self.beta <= 1.0, "a number in [0, 1]"),
+            ("temperature", _is_real(self.temperature) and self.temperature > 0, "a finite number > 0"),
+            ("tail", self.tail in ("tail", "renorm"), "'tail' or 'renorm'"),
+            ("sft_alpha", _is_real(self.sft_alpha) and self.sft_alpha >= 0, "a finite number >= 0"),
+            ("chunk_size", isinstance(self.chunk_size, numbers.Integral) and not isinstance(self.chunk_size, bool)
+             and self.chunk_size >= 1, "an integer >= 1"),
+        ]
+        for name, ok, need in checks:
+            if not ok:
+                raise ValueError(f"LossConfig.{name} must be {need}, got {getattr(self, name)!r}")
+
+
+def _safe_logsumexp(x: Tensor, empty: float) -> Tensor:
+    """logsumexp over the last dim, [..., B] -> [...]; rows that are all -inf give `empty`.
+
+    torch.logsumexp gives -inf there, but its backward is exp(-inf - -inf) = NaN; a finite dummy row avoids that.
+    """
+    is_empty = ~(x > _NEG_INF).any(-1)
+    out = torch.logsumexp(x.masked_fill(is_empty.unsqueeze(-1), 0.0), dim=-1)
+    return out.masked_fill(is_empty, empty)
+
+
+def _log_normalize(x: Tensor, valid: Tensor) -> Tensor:
+    """Log-softmax over the valid entries of the last dim, -inf elsewhere. x, valid: [N, B] -> [N, B]."""
+    x = x.masked_fill(~valid, _NEG_INF)
+    return x - _safe_logsumexp(x, 0.0).unsqueeze(-1)
+
+
+def _kl(log_p: Tensor, log_q: Tensor, valid: Tensor) -> Tensor:
+    """sum_b p_b (log p_b - log q_b) over valid buckets, with 0 log 0 = 0. [N, B] -> [N]."""
+    use = valid & (log_p > _NEG_INF)
+    # Replace unused entries *before* the arithmetic: where() alone would still back-propagate 0 * inf = NaN.
+    lp = torch.where(use, log_p, 0.0)
+    lq = torch.where(use, log_q, 0.0)
+    return torch.where(use, lp.exp() * (lp - lq), 0.0).sum(-1)
+
+
+def _generalized_jsd(log_t: Tensor, log_s: Tensor, valid: Tensor, beta: float) -> Tensor:
+    """GKD's generalized JSD between teacher T and student S, [N, B] log-probs -> [N].
+
+    beta * KL(T || M) + (1 - beta) * KL(S || M), M = beta T + (1 - beta) S. The ends are special-cased to the KLs
+    (the mixture form tends to 0 there, not to a KL): beta = 0 is KL(T || S), beta = 1 is KL(S || T).
+    """
+    if beta == 0.0:
+        return _kl(log_t, log_s, valid)
+    if beta == 1.0:
+        return _kl(log_s, log_t.clamp_min(TEACHER_LOGP_FLOOR), valid)
+    mix = torch.stack([log_t + math.log(beta), log_s + math.log1p(-beta)], dim=-1)  # [N, B, 2]
+    log_m = _safe_logsumexp(mix, _NEG_INF)
+    return beta * _kl(log_t, log_m, valid) + (1.0 - beta) * _kl(log_s, log_m, valid)
+
+
+def _buckets(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, tail_mass: Tensor,
+             cfg: LossConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """Teacher and student log-probs over the buckets, and which buckets exist: three [N, B] tensors.
+
+    Tempering: the student's full-vocab logits are divided by tau before the softmax (exact). The teacher's stored
+    log-probs are divided by tau and renormalized over the stored buckets, i.e. p^(1/tau) / sum; in tail mode the
+    tail bucket is tempered as if it were one token, an approximation that is exact at tau = 1.
+    """
+    tau = cfg.temperature
+    logits = student_logits.float()
+    logits = logits / tau if tau != 1.0 else logits  # skip a [N, V] copy at tau = 1
+    logp = F.log_softmax(logits, dim=-1)  # [N, V]; full vocab first, never top-k first
+    n, v = logp.shape
+    ids = topk_ids.long()
+    valid = ids >= 0  # [N, k]; -1 marks padding
+    s_top = logp.gather(1, ids.clamp_min(0)).masked_fill(~valid, _NEG_INF)  # [N, k]
+    t_top = topk_logprobs.float().masked_fill(~valid, _NEG_INF) / tau  # masked values may be anything, even NaN
+    if cfg.tail == "renorm":
+        # Both sides restricted to the support and renormalized: the student's mass outside the support is
+        # ignored, so it is never pushed down. "tail" mode exists to fix that.
+        return _log_normalize(t_top, valid), _log_normalize(s_top, valid), valid
+
+    # in_topk[n, j]: vocab id j is one of row n's valid ids. Padding scatters into a spare column V, dropped after.
+    in_topk = torch.zeros(n, v + 1, dtype=torch.bool, device=logp.device)
+    in_topk = in_topk.scatter_(1, ids.masked_fill(~valid, v), True)[:, :v]
+    # Student tail = logsumexp of the log-probs of the ids outside the top-k. This is exact, whereas log1p(-sum s_i)
+    # cancels catastrophically once the top-k holds nearly all the mass (it reads 0 below ~1e-7 in float32).
+    rest = logp.masked_fill(in_topk, _NEG_INF)  # [N, V]
+    none_left = ~(rest > _NEG_INF).any(-1)  # [N]; as in _safe_logsumexp, but filling in place saves a [N, V] copy
+    s_tail = torch.logsumexp(rest.masked_fill_(none_left[:, None], 0.0), dim=-1).masked_fill(none_left, _NEG_INF)
+    # When the top-k covers the whole vocabulary the tail bucket is empty on the student side; drop it on both
+    # sides (the teacher's tail_mass is then rounding noise) instead of charging KL against an impossible bucket.
+    has_tail = ~in_topk.all(-1)  # [N]
+    t_tail = tail_mass.float().clamp(0.0, 1.0).log() / tau
+    valid = torch.cat([valid, has_tail[:, None]], dim=1)
+    log_s = torch.cat([s_top, s_tail[:, None]], dim=1).masked_fill(~valid, _NEG_INF)
+    log_t = _log_normalize(torch.cat([t_top, t_tail[:, None]], dim=1), valid)
+    return log_t, log_s, valid
+
+
+def gkd_per_position(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, tail_mass: Tensor,
+                     cfg: LossConfig) -> Tensor:
+    """KD loss per position, [N] float32, including the tau^2 factor (Hinton et al. 2015).
+
+    student_logits [N, V]; topk_ids [N, k] (-1 = masked); topk_logprobs [N, k] sorted descending; tail_mass [N].
+    Rows with no bucket at all (renorm mode, every entry masked) give 0.
+    """
+    log_t, log_s, valid = _buckets(student_logits, topk_ids, topk_logprobs, tail_mass, cfg)
+    return _generalized_jsd(log_t, log_s, valid, cfg.beta) * cfg.temperature**2
+
+
+def sft_per_position(student_logits: Tensor, targets: Tensor) -> Tensor:
+    """Cross-entropy per position at temperature 1, [N, V] x [N] -> [N] float32 (targets == -100 give 0)."""
+    return F.cross_entropy(student_logits.float(), targets.long(), reduction="none")
+
+
+def _loss_sums(student_logits, topk_ids, topk_logprobs, tail_mass, targets, cfg) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss sum with grad, detached KD sum, detached CE sum), each 0-dim."""
+    kd = gkd_per_position(student_logits, topk_ids, topk_logprobs, tail_mass, cfg).sum()
+    if cfg.sft_alpha > 0:
+        ce = sft_per_position(student_logits, targets).sum()
+        loss = kd + cfg.sft_alpha * ce
+    else:
+        with torch.no_grad():  # logged only; no_grad keeps its [N, V] log-softmax out of the autograd graph
+            ce = sft_per_position(student_logits, targets).sum()
+        loss = kd
+    return loss, kd.detach(), ce.detach()
+
+
+def kd_loss_from_logits(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, tail_mass: Tensor,
+                        targets: Tensor, cfg: LossConfig) -> tuple[Tensor, dict]:
+    """(sum_n kd_n + sft_alpha * ce_n, parts). Sums, not means: the trainer divides by the global position count.
+
+    student_logits [N, V], topk_ids/topk_logprobs [N, k], tail_mass [N], targets [N].
+    parts: {"kd": float, "sft": float (the CE sum, logged even when sft_alpha == 0), "positions": N}.
+    With N == 0 the loss is a zero that is still connected to student_logits, so backward() works.
+    """
+    loss, kd, ce = _loss_sums(student_logits, topk_ids, topk_logprobs, tail_mass, targets, cfg)
+    return loss, {"kd": float(kd), "sft": float(ce), "positions": int(student_logits.shape[0])}
+
+
+def _chunk_sums(hidden, weight, bias, topk_ids, topk_logprobs, tail_mass, targets, cfg):
+    logits = F.linear(hidden.float(), weight, bias)  # [c, V] float32, alive only inside this chunk
+    return _loss_sums(logits, topk_ids, topk_logprobs, tail_mass, targets, cfg)
+
+
+def chunked_kd_loss(hidden: Tensor, lm_head_weight: Tensor, topk_ids: Tensor, topk_logprobs: Tensor,
+                    tail_mass: Tensor, targets: Tensor, cfg: LossConfig,
+                    lm_head_bias: Tensor | None = None) -> tuple[Tensor, dict]:
+    """kd_loss_from_logits(hidden @ W.T + b, ...) computed cfg.chunk_size positions at a time.
+
+    hidden [N, H], lm_head_weight [V, H], lm_head_bias [V] or None; the rest as in kd_loss_from_logits.
+    Each chunk runs under non-reentrant activation checkpointing: its [chunk, V] logits and intermediates are
+    dropped after the forward and recomputed in the backward, so only one chunk's worth is ever alive.
+    """
+    # Upcast the head once, outside the chunks, so its gradient accumulates over chunks in float32 (casting per
+    # chunk would sum bf16 partial gradients). Costs one float32 [V, H] copy when the head is bf16.
+    weight = lm_head_weight.float()
+    bias = None if lm_head_bias is None else lm_head_bias.float()
+    n = hidden.shape[0]
+    if n == 0:
+        return kd_loss_from_logits(F.linear(hidden.float(), weight, bias), topk_ids, topk_logprobs, tail_mass,
+                                   targets, cfg)
+    total = None
+    for lo in range(0, n, cfg.chunk_size):
+        sl = slice(lo, lo + cfg.chunk_size)
+        sums = checkpoint(_chunk_sums, hidden[sl], weight, bias, topk_ids[sl], topk_logprobs[sl], tail_mass[sl],
+                          targets[sl], cfg, use_reentrant=False)
+        total = sums if total is None else tuple(a + b for a, b in zip(total, sums, strict=True))
+    loss, kd, ce = total
+    return loss, {"kd": float(kd), "sft": float(ce), "positions": int(n)}
+
+
+def dense_reference(student_logits: Tensor, teacher_logprobs_full: Tensor, beta: float, temperature: float) -> Tensor:
+    """Test reference, [N, V] x [N, V] -> [N]: the same generalized JSD against the teacher's full distribution.
+
+    No top-k, no tail, no masking; teacher tempered as softmax(teacher_logprobs_full / tau); tau^2 included.
+    """
+    s = F.softmax(student_logits.float() / temperature, dim=-1)
+    t = F.softmax(teacher_logprobs_full.float() / temperature, dim=-1)
+
+    def kl(p, q):  # xlogy gives 0 log 0 = 0
+        return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum(-1)
+
+    if beta == 0:
+        out = kl(t, s)
+    elif beta == 1:
+        out = kl(s, t)
+    else:
+        m = beta * t + (1 - beta) * s
+        out = beta * kl(t, m) + (1 - beta) * kl(s, m)
+    return out * temperature**2

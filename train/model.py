@@ -1,0 +1,69 @@
+"""The student: loading or initialising it, checking its tokenizer, and the forward used for distillation."""
+import os
+
+import torch
+from torch import nn
+
+from cache_format.tokenizer_id import diff_identity, tokenizer_identity
+
+from .losses import LossConfig, chunked_kd_loss, kd_loss_from_logits
+
+
+class TokenizerMismatch(ValueError):
+    pass
+
+
+def load_student(path, *, seed, trust_remote_code=False):
+    """A model directory, or a config.json (file or directory without weights) for a fresh student."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    has_weights = os.path.isdir(path) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
+    if has_weights:
+        # dtype explicit: "auto" would run a float32 checkpoint in bf16 on some setups.
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(cfg):
+    from transformers import AutoTokenizer
+    path = cfg.tokenizer or (cfg.student if os.path.isdir(cfg.student) else os.path.dirname(cfg.student))
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise TokenizerMismatch(f"cannot load the student's tokenizer from {path} ({e}); pass --tokenizer") from e
+
+
+def check_tokenizer(tok, cache_manifest, cache_dir):
+    """Refuse a student tokenizer that differs from the one the teacher's ids came from."""
+    want = cache_manifest.get("meta", {}).get("tokenizer")
+    if want is None:
+        raise TokenizerMismatch(f"{cache_dir}: the manifest records no tokenizer (meta.tokenizer); "
+                                "cannot prove token-exactness")
+    diffs = diff_identity(want, tokenizer_identity(tok))
+    if diffs:
+        raise TokenizerMismatch(f"the student's tokenizer differs from the cache's ({cache_dir}): "
+                                + "; ".join(diffs) + ". Distillation is token-exact: use the teacher's tokenizer.")
+
+
+class DistillModule(nn.Module):
+    """Wraps a causal LM: forward(batch) -> (loss_sum, parts) over the batch's trained positions.
+
+    The loss is a SUM over positions; the trainer normalises by the number of
+    positions across accumulation and ranks.
+    """
+
+    def __init__(self, model, loss_cfg: LossConfig, chunked=True):
+        super().__init__()
+        self.model, self.loss_cfg, self.chunked = model, loss_cfg, chunked
+
+    def forward(self, input_ids, attention_mask, batch_index, positions, topk_ids, topk_logprobs, tail_mass,
+                targets):
+        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        hidden = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state   # (B, T, H)
+        h = hidden[batch_index, positions]                                                     # (N, H)
+        head = self.model.get_output_embeddings()
+        if self.chunked:
+            return chunked_kd_loss(h, head.weight, topk_ids, topk_logprobs, tail_mass, targets, self.loss_cfg,
+                                   lm_head_bias=head.bias)
+        return kd_loss_from_logits(head(h), topk_ids, topk_logprobs, tail_mass, targets, self.loss_cfg)
