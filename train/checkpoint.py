@@ -90,7 +90,7 @@ def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, k
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(os.path.dirname(final))
-        for old_step, old in complete_checkpoints(out)[:-keep]:
+        for _step, old in complete_checkpoints(out)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return step_dir(out, step)

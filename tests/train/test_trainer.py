@@ -60,7 +60,8 @@ def test_training_lowers_the_distillation_loss_and_saves_a_loadable_student(setu
     assert last < 0.7 * first, (first, last)
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "o" / "final")
-    assert model.config.vocab_size == len(json.load(open(tmp_path / "o" / "final" / "tokenizer.json"))["model"]["vocab"])
+    vocab = json.load(open(tmp_path / "o" / "final" / "tokenizer.json"))["model"]["vocab"]
+    assert model.config.vocab_size == len(vocab)
     assert (tmp_path / "o" / "loss_curve.png").stat().st_size > 1000
     ckpts = sorted(os.listdir(tmp_path / "o" / "checkpoints"))
     assert ckpts == ["step-00000020", "step-00000030"]          # keep_checkpoints=2
