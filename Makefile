@@ -33,14 +33,17 @@ test-quick: setup
 demo: setup
 	$(BIN)/kdcache demo
 
+# With no ARGS these run the embedded default (the demo's teacher and data, built if missing).
 precompute: setup
-	$(BIN)/kdcache precompute $(ARGS)
+	$(if $(ARGS),$(BIN)/kdcache precompute $(ARGS),$(BIN)/kdcache demo --stage precompute)
 
 train: setup
-	$(BIN)/kdcache train $(ARGS)
+	$(if $(ARGS),$(BIN)/kdcache train $(ARGS),$(BIN)/kdcache demo --stage train)
 
 bench: setup
 	$(BIN)/python bench/storage.py
+	$(BIN)/python bench/precompute.py
+	$(BIN)/python bench/train_step.py
 
 lint: setup
 	$(BIN)/ruff check cache_format pipeline train kdcache tests bench

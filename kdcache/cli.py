@@ -5,8 +5,10 @@ import sys
 # name -> (module, function, one-line help). Imported lazily so `kdcache verify`
 # never pays for importing torch or vLLM.
 COMMANDS = {
+    "demo": ("kdcache.demo.run", "main", "the embedded default: teacher, cache, distilled student, report"),
     "precompute": ("pipeline.cli", "main", "run the teacher once over a dataset and write a logit cache"),
     "train": ("train.cli", "main", "distil a student from a logit cache (DeepSpeed, resumable)"),
+    "eval": ("train.eval", "main", "compare teacher and students on held-out prompts; writes report.md"),
     "inspect": ("cache_format.cli", "inspect_main", "summarize a logit cache"),
     "verify": ("cache_format.cli", "verify_main", "check every checksum and invariant of a cache"),
 }

@@ -42,6 +42,8 @@ class PrecomputeConfig:
     gen_top_p: float = field(1.0, "generate mode: nucleus sampling threshold")
     seed: int = field(0, "seed for generation")
     progress: bool = field(True, "show a progress bar")
+    drop_end_of_turn: bool = field(False, "REPRODUCES A BUG, for control experiments only: leave out the "
+                                          "positions that predict an end-of-turn token")
 
     def __post_init__(self):
         for key in ("teacher", "data", "out"):

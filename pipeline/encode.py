@@ -52,7 +52,8 @@ def end_of_turn_ids(tok, extra=()):
 
 
 class Encoder:
-    def __init__(self, tok, *, template="auto", max_length=2048, overlong="truncate", eos_ids=(), mode="score"):
+    def __init__(self, tok, *, template="auto", max_length=2048, overlong="truncate", eos_ids=(), mode="score",
+                 drop_end_of_turn=False):
         self.tok = tok
         self.has_template = bool(getattr(tok, "chat_template", None))
         if template == "chat" and not self.has_template:
@@ -61,6 +62,7 @@ class Encoder:
         self.max_length, self.overlong, self.mode = max_length, overlong, mode
         self.eos_ids = set(eos_ids) or set(end_of_turn_ids(tok))
         self.eos = int(tok.eos_token_id) if tok.eos_token_id is not None else min(self.eos_ids)
+        self.drop_end_of_turn = drop_end_of_turn   # the bug other tools shipped; control experiments only
 
     # -- score mode: whole sequence plus trained spans ---------------------------------
     def encode(self, ex: Example) -> Encoded:
@@ -79,6 +81,8 @@ class Encoder:
             ids = self.tok(ex.text, add_special_tokens=True)["input_ids"] + [self.eos]
             spans = [(1, len(ids))]
         targets = np.concatenate([np.arange(max(a, 1), b) for a, b in spans]).astype(np.int32)
+        if self.drop_end_of_turn:
+            targets = targets[~np.isin(np.asarray(ids)[targets], list(self.eos_ids))]
         return self._limit(ids, targets - 1)
 
     def _limit(self, ids, positions):

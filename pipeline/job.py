@@ -59,6 +59,8 @@ def fingerprint_parts(cfg, tok_identity, eos_ids, backend, dtype):
     capture = {"mode": cfg.mode, "max_length": cfg.max_length, "overlong": cfg.overlong,
                "template": cfg.template, "eos_token_ids": eos_ids, "backend": backend, "dtype": dtype,
                "on_bad_record": cfg.on_bad_record}
+    if cfg.drop_end_of_turn:
+        capture["drop_end_of_turn"] = True
     if cfg.mode == "generate":
         capture.update(max_new_tokens=cfg.gen_max_new_tokens, temperature=cfg.gen_temperature,
                        top_p=cfg.gen_top_p, seed=cfg.seed)
@@ -141,8 +143,11 @@ def run_precompute(cfg):
     extra = [tok.convert_tokens_to_ids(t) for t in cfg.eos_tokens]
     eos_ids = end_of_turn_ids(tok, extra)
     encoder = Encoder(tok, template=cfg.template, max_length=cfg.max_length, overlong=cfg.overlong,
-                      eos_ids=eos_ids, mode=cfg.mode)
+                      eos_ids=eos_ids, mode=cfg.mode, drop_end_of_turn=cfg.drop_end_of_turn)
 
+    if cfg.drop_end_of_turn:
+        print("WARNING: --drop-end-of-turn leaves out every end-of-turn position (the bug kdcache exists to "
+              "prevent); a student trained on this cache will not learn to stop.", file=sys.stderr)
     n_records, skipped = scan(cfg, encoder)
     bad = [s for s in skipped if s["reason"] == "bad_record"]
     if bad and cfg.on_bad_record == "fail":

@@ -6,10 +6,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 SIZES = {
     "test":    dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                     num_key_value_heads=1),
-    "student": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    "student": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=3,
+                    num_key_value_heads=1),
+    "teacher": dict(hidden_size=192, intermediate_size=512, num_hidden_layers=3, num_attention_heads=6,
                     num_key_value_heads=2),
-    "teacher": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                    num_key_value_heads=4),
 }
 
 

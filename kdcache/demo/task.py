@@ -39,7 +39,7 @@ def make_example(rng: random.Random):
         duties = ", ".join(phrases[:-1]) + " and " + phrases[-1]
     opener = rng.choice(OPENERS).format(role=rng.choice(ROLES))
     user = f"Job posting: {opener} You will {duties}. {ASK}"
-    return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user},
+    return {"messages": [{"role": "user", "content": user},
                          {"role": "assistant", "content": ", ".join(skills)}]}
 
 
@@ -49,7 +49,7 @@ def make_splits(n_train, n_heldout, seed=0):
     seen, train, held = set(), [], []
     while len(train) < n_train or len(held) < n_heldout:
         ex = make_example(rng)
-        key = ex["messages"][1]["content"]
+        key = ex["messages"][0]["content"]
         if key in seen:
             continue
         seen.add(key)

@@ -1,0 +1,49 @@
+"""The embedded default, shortened: every stage runs and the artefacts are consistent.
+
+The quality bars (stop rate, F1 gap, control) are checked by `make demo` itself at full size.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cache_format import open_cache, verify_cache
+from tests.conftest import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.deepspeed]
+
+
+def test_quick_demo_chain(tmp_path):
+    root = tmp_path / "demo"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "-m", "kdcache", "demo", "--quick", "--backend", "hf", "--root", str(root)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for path in ("data/train.jsonl", "data/heldout.jsonl", "teacher/config.json", "teacher/teacher_training.json",
+                 "student/final/config.json", "student_no_eos/final/config.json", "report/report.md",
+                 "report/lengths.png", "report/loss_curves.png", "report/eval.json"):
+        assert (root / path).exists(), path
+    cache, control = open_cache(root / "cache"), open_cache(root / "cache_no_eos")
+    assert len(cache) == len(control) == 48
+    assert verify_cache(root / "cache").ok
+    # The control cache is the EOS bug on purpose: verify must catch it on every sample.
+    rep = verify_cache(root / "cache_no_eos")
+    assert len(rep.problems) == 48 and all("end-of-turn" in why for _, why in rep.problems)
+    eos = set(cache.eos_token_ids)
+    for a, b in zip(cache, control):
+        assert any(int(t) in eos for t in a.targets) and not any(int(t) in eos for t in b.targets)
+        assert len(b.positions) == len(a.positions) - 1           # exactly the end-of-turn position is missing
+    results = json.load(open(root / "report" / "eval.json"))
+    assert set(results) == {"teacher", "student", "student_no_eos"}
+    assert all(r["prompts"] == 12 for r in results.values())
+    assert "kl_from_reference" in results["student"] and "kl_from_reference" not in results["teacher"]
+    report = (root / "report" / "report.md").read_text()
+    assert "| student_no_eos |" in report and "lengths.png" in report
+    # Rerun reuses everything and says so.
+    res = subprocess.run([sys.executable, "-m", "kdcache", "demo", "--quick", "--backend", "hf", "--root", str(root),
+                          "--stage", "train"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0
+    assert "reusing the trained teacher" in res.stdout and "nothing to do" in res.stdout
+    assert "reusing the trained student" in res.stdout

@@ -1,0 +1,212 @@
+"""`kdcache eval`: teacher and students side by side on held-out chats, with a report a person can read.
+
+For each model: greedy generation on every held-out prompt -> how often it ends
+with the end-of-turn token before the length limit, exact match and label F1
+against the reference answer (answers read as comma-separated label sets),
+mean/max generated length; and teacher-forced per-token KL(reference || model)
+on the reference completions, end-of-turn included. Writes OUT/report.md,
+OUT/eval.json and PNGs (generated lengths, loss curves).
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from .metrics import read_metrics
+
+
+def load_heldout(path):
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            msgs = rec.get("messages") if isinstance(rec, dict) else None
+            if not msgs or msgs[-1].get("role") != "assistant":
+                raise ValueError(f"{path}:{n}: eval needs chat records whose last message is the assistant's answer")
+            rows.append(msgs)
+    return rows
+
+
+def labels(text):
+    return {p.strip().lower() for p in text.split(",") if p.strip()}
+
+
+def f1(pred, ref):
+    if not pred and not ref:
+        return 1.0
+    tp = len(pred & ref)
+    if tp == 0:
+        return 0.0
+    p, r = tp / len(pred), tp / len(ref)
+    return 2 * p * r / (p + r)
+
+
+@torch.no_grad()
+def generate(model, tok, chats, max_new_tokens, batch_size):
+    """Greedy completions: [(token ids, ended_with_eos)]."""
+    tok.padding_side = "left"
+    out = []
+    for i in range(0, len(chats), batch_size):
+        prompts = [tok.apply_chat_template(m[:-1], tokenize=False, add_generation_prompt=True)
+                   for m in chats[i:i + batch_size]]
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        for row in gen[:, enc["input_ids"].shape[1]:].tolist():
+            if tok.eos_token_id in row:
+                out.append((row[:row.index(tok.eos_token_id) + 1], True))
+            else:
+                out.append(([t for t in row if t != tok.pad_token_id], False))
+    return out
+
+
+def completion_batch(tok, msgs):
+    """(ids, positions) of a chat, positions predicting the answer through its end-of-turn token."""
+    head = tok(tok.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+    full = tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)["input_ids"]
+    end = next(j for j in range(len(head), len(full)) if full[j] == tok.eos_token_id)
+    return full, list(range(len(head) - 1, end))
+
+
+@torch.no_grad()
+def mean_kl(ref_model, model, tok, chats):
+    """Mean per-token KL(reference || model) over every answer position (full vocabulary)."""
+    total, n = 0.0, 0
+    for msgs in chats:
+        ids, pos = completion_batch(tok, msgs)
+        x = torch.tensor([ids])
+        lp_r = torch.log_softmax(ref_model(x).logits[0, pos].float(), -1)
+        lp_m = torch.log_softmax(model(x).logits[0, pos].float(), -1)
+        total += float((lp_r.exp() * (lp_r - lp_m)).sum())
+        n += len(pos)
+    return total / max(n, 1)
+
+
+def evaluate(models, data, reference=None, max_new_tokens=48, batch_size=64):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    chats = load_heldout(data)
+    loaded = {name: (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+                     AutoTokenizer.from_pretrained(path)) for name, path in models.items()}
+    results = {}
+    for name, (model, tok) in loaded.items():
+        gens = generate(model, tok, chats, max_new_tokens, batch_size)
+        stops = exact = f1_sum = 0
+        lengths = []
+        for (ids, ended), msgs in zip(gens, chats):
+            text = tok.decode(ids, skip_special_tokens=True).strip()
+            ref = msgs[-1]["content"].strip()
+            stops += ended
+            exact += ended and text == ref
+            f1_sum += f1(labels(text), labels(ref))
+            lengths.append(len(ids))
+        res = {"prompts": len(chats), "stop_rate": stops / len(chats), "exact_match": exact / len(chats),
+               "label_f1": f1_sum / len(chats), "mean_length": sum(lengths) / len(lengths),
+               "max_length": max(lengths), "length_limit": max_new_tokens, "lengths": lengths,
+               "examples": [tok.decode(g[0]) for g in gens[:3]]}
+        if reference and name != reference:
+            res["kl_from_reference"] = mean_kl(loaded[reference][0], model, tok, chats)
+        results[name] = res
+    return results
+
+
+def write_report(results, out, runs=None, reference=None, title="kdcache eval", note=""):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(out, exist_ok=True)
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    limit = max(r["length_limit"] for r in results.values())
+    bins = range(0, limit + 2)
+    ax.hist([results[n]["lengths"] for n in names], bins=bins, label=names)   # side by side per bin
+    ax.set_xlabel("generated tokens (greedy)")
+    ax.set_ylabel("held-out prompts")
+    ax.set_title("generated lengths: a model that never stops piles up at the limit")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "lengths.png"), dpi=110)
+    plt.close(fig)
+    pictures = ["lengths.png"]
+    if runs:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, run_dir in runs.items():
+            rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+            ax.plot([r["step"] for r in rows], [r["kd"] for r in rows], label=name)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("distillation loss per trained position")
+        ax.set_title("student training loss (from each cache)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "loss_curves.png"), dpi=110)
+        plt.close(fig)
+        pictures.append("loss_curves.png")
+
+    header = ["model", "ends with end-of-turn", "exact match", "label F1", "mean length", "max length",
+              f"KL({reference} ‖ model) per token" if reference else "KL"]
+    lines = [f"# {title}", "", *([note, ""] if note else []), "| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    for name in names:
+        r = results[name]
+        kl = f"{r['kl_from_reference']:.4f}" if "kl_from_reference" in r else "—"
+        lines.append(f"| {name} | {r['stop_rate']:.1%} | {r['exact_match']:.1%} | {r['label_f1']:.3f} | "
+                     f"{r['mean_length']:.1f} | {r['max_length']} / {r['length_limit']} | {kl} |")
+    lines += ["", f"{results[names[0]]['prompts']} held-out prompts, greedy decoding, "
+              f"limit {limit} new tokens.", ""]
+    lines += [f"![{p}]({p})" for p in pictures]
+    lines += ["", "## First generations", ""]
+    for name in names:
+        lines.append(f"- **{name}**: " + " · ".join(f"`{e!r}`" for e in results[name]["examples"]))
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(text)
+    slim = {n: {k: v for k, v in r.items() if k != "lengths"} for n, r in results.items()}
+    with open(os.path.join(out, "eval.json"), "w") as f:
+        json.dump(slim, f, indent=1)
+    return text
+
+
+def print_table(results):
+    print(f"\n{'model':<16}{'stops':>8}{'exact':>8}{'F1':>8}{'mean len':>10}{'max len':>9}{'KL/token':>10}")
+    for name, r in results.items():
+        kl = f"{r['kl_from_reference']:.4f}" if "kl_from_reference" in r else "—"
+        print(f"{name:<16}{r['stop_rate']:>8.1%}{r['exact_match']:>8.1%}{r['label_f1']:>8.3f}"
+              f"{r['mean_length']:>10.1f}{r['max_length']:>9}{kl:>10}")
+
+
+def _pairs(items, what):
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SystemExit(f"error: --{what} expects NAME=PATH, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k] = v
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="kdcache eval", description=__doc__.splitlines()[0])
+    p.add_argument("--model", action="append", required=True, help="NAME=DIR of a saved model (repeatable)")
+    p.add_argument("--data", required=True, help="held-out chats (JSONL, last message = reference answer)")
+    p.add_argument("--out", required=True, help="report directory")
+    p.add_argument("--reference", help="NAME of the model the KL is measured from (usually the teacher)")
+    p.add_argument("--run", action="append", help="NAME=TRAIN_OUT_DIR whose metrics.jsonl to plot (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--title", default="kdcache eval", help="report title")
+    p.add_argument("--note", default="", help="a paragraph placed under the title")
+    args = p.parse_args(argv)
+    models = _pairs(args.model, "model")
+    if args.reference and args.reference not in models:
+        print(f"error: --reference {args.reference} is not one of the --model names {list(models)}", file=sys.stderr)
+        return 2
+    results = evaluate(models, args.data, args.reference, args.max_new_tokens, args.batch_size)
+    write_report(results, args.out, _pairs(args.run, "run"), args.reference, args.title, args.note)
+    print_table(results)
+    print(f"\nreport: {os.path.join(args.out, 'report.md')}")
+    return 0
