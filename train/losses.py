@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 _NEG_INF = float("-inf")
 # Reverse KL (beta == 1) divides by the teacher, and a teacher bucket can be exactly 0 (tail_mass rounds to 0 when
@@ -88,8 +87,41 @@ def _generalized_jsd(log_t: Tensor, log_s: Tensor, valid: Tensor, beta: float) -
     return beta * _kl(log_t, log_m, valid) + (1.0 - beta) * _kl(log_s, log_m, valid)
 
 
+class _LogRestMass(torch.autograd.Function):
+    """log(sum of exp(logp[j]) over the ids j NOT among row n's valid top-k ids): [N, V], [N, k] -> [N].
+
+    One exp pass, one scatter, one sum; backward is p_j / rest for j outside the top-k, 0 inside.
+    """
+
+    @staticmethod
+    def forward(ctx, logp, ids, valid):
+        e = logp.exp()  # [N, V]
+        any_valid = valid.any(-1, keepdim=True)
+        # Padded slots (-1) repeat the row's first valid id, so zeroing them changes nothing; rows with no
+        # valid id write their own value back into column 0 (a no-op).
+        first = ids.gather(1, valid.long().argmax(-1, keepdim=True)).clamp_min(0)
+        idx = torch.where(valid, ids, first).clamp_min(0)
+        src = torch.where(any_valid, torch.zeros((), dtype=e.dtype, device=e.device), e.gather(1, idx))
+        e.scatter_(1, idx, src.expand_as(idx))
+        rest = e.sum(-1)  # [N]
+        ctx.save_for_backward(e, rest)
+        return torch.where(rest > 0, rest.log(), _NEG_INF)
+
+    @staticmethod
+    def backward(ctx, g):
+        e, rest = ctx.saved_tensors
+        scale = torch.where(rest > 0, g / rest.clamp_min(torch.finfo(rest.dtype).tiny), 0.0)
+        return e * scale[:, None], None, None
+
+
+def _student_logp(student_logits: Tensor, tau: float) -> Tensor:
+    """log_softmax(logits / tau) over the FULL vocabulary, float32 [N, V]; never top-k first."""
+    logits = student_logits.float()
+    return F.log_softmax(logits / tau if tau != 1.0 else logits, dim=-1)  # skip a [N, V] copy at tau = 1
+
+
 def _buckets(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, tail_mass: Tensor,
-             cfg: LossConfig) -> tuple[Tensor, Tensor, Tensor]:
+             cfg: LossConfig, logp: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Teacher and student log-probs over the buckets, and which buckets exist: three [N, B] tensors.
 
     Tempering: the student's full-vocab logits are divided by tau before the softmax (exact). The teacher's stored
@@ -97,9 +129,7 @@ def _buckets(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, ta
     tail bucket is tempered as if it were one token, an approximation that is exact at tau = 1.
     """
     tau = cfg.temperature
-    logits = student_logits.float()
-    logits = logits / tau if tau != 1.0 else logits  # skip a [N, V] copy at tau = 1
-    logp = F.log_softmax(logits, dim=-1)  # [N, V]; full vocab first, never top-k first
+    logp = _student_logp(student_logits, tau) if logp is None else logp  # [N, V]
     n, v = logp.shape
     ids = topk_ids.long()
     valid = ids >= 0  # [N, k]; -1 marks padding
@@ -110,17 +140,12 @@ def _buckets(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, ta
         # ignored, so it is never pushed down. "tail" mode exists to fix that.
         return _log_normalize(t_top, valid), _log_normalize(s_top, valid), valid
 
-    # in_topk[n, j]: vocab id j is one of row n's valid ids. Padding scatters into a spare column V, dropped after.
-    in_topk = torch.zeros(n, v + 1, dtype=torch.bool, device=logp.device)
-    in_topk = in_topk.scatter_(1, ids.masked_fill(~valid, v), True)[:, :v]
-    # Student tail = logsumexp of the log-probs of the ids outside the top-k. This is exact, whereas log1p(-sum s_i)
-    # cancels catastrophically once the top-k holds nearly all the mass (it reads 0 below ~1e-7 in float32).
-    rest = logp.masked_fill(in_topk, _NEG_INF)  # [N, V]
-    none_left = ~(rest > _NEG_INF).any(-1)  # [N]; as in _safe_logsumexp, but filling in place saves a [N, V] copy
-    s_tail = torch.logsumexp(rest.masked_fill_(none_left[:, None], 0.0), dim=-1).masked_fill(none_left, _NEG_INF)
+    # Student tail = log of the mass of the ids outside the top-k, summed directly (exact), not 1 - sum(s_i),
+    # which cancels catastrophically once the top-k holds nearly all the mass (it reads 0 below ~1e-7 in float32).
+    s_tail = _LogRestMass.apply(logp, ids, valid)  # [N]; -inf when the top-k covers the whole vocabulary
+    has_tail = s_tail > _NEG_INF  # [N]; an empty tail bucket is dropped on both sides (see below)
     # When the top-k covers the whole vocabulary the tail bucket is empty on the student side; drop it on both
     # sides (the teacher's tail_mass is then rounding noise) instead of charging KL against an impossible bucket.
-    has_tail = ~in_topk.all(-1)  # [N]
     t_tail = tail_mass.float().clamp(0.0, 1.0).log() / tau
     valid = torch.cat([valid, has_tail[:, None]], dim=1)
     log_s = torch.cat([s_top, s_tail[:, None]], dim=1).masked_fill(~valid, _NEG_INF)
@@ -146,14 +171,19 @@ def sft_per_position(student_logits: Tensor, targets: Tensor) -> Tensor:
 
 def _loss_sums(student_logits, topk_ids, topk_logprobs, tail_mass, targets, cfg) -> tuple[Tensor, Tensor, Tensor]:
     """(loss sum with grad, detached KD sum, detached CE sum), each 0-dim."""
-    kd = gkd_per_position(student_logits, topk_ids, topk_logprobs, tail_mass, cfg).sum()
-    if cfg.sft_alpha > 0:
+    logp = _student_logp(student_logits, cfg.temperature)
+    log_t, log_s, valid = _buckets(student_logits, topk_ids, topk_logprobs, tail_mass, cfg, logp=logp)
+    kd = (_generalized_jsd(log_t, log_s, valid, cfg.beta) * cfg.temperature**2).sum()
+    tgt = targets.long()
+    if cfg.temperature == 1.0:   # the KD log-softmax is the CE one: gather instead of a second [N, V] pass
+        ce_terms = -logp.gather(1, tgt.clamp_min(0)[:, None]).squeeze(1).masked_fill(tgt < 0, 0.0)
+        ce = ce_terms.sum() if cfg.sft_alpha > 0 else ce_terms.detach().sum()
+    elif cfg.sft_alpha > 0:
         ce = sft_per_position(student_logits, targets).sum()
-        loss = kd + cfg.sft_alpha * ce
     else:
         with torch.no_grad():  # logged only; no_grad keeps its [N, V] log-softmax out of the autograd graph
             ce = sft_per_position(student_logits, targets).sum()
-        loss = kd
+    loss = kd + cfg.sft_alpha * ce if cfg.sft_alpha > 0 else kd
     return loss, kd.detach(), ce.detach()
 
 
@@ -169,9 +199,52 @@ def kd_loss_from_logits(student_logits: Tensor, topk_ids: Tensor, topk_logprobs:
     return loss, {"kd": float(kd), "sft": float(ce), "positions": int(student_logits.shape[0])}
 
 
-def _chunk_sums(hidden, weight, bias, topk_ids, topk_logprobs, tail_mass, targets, cfg):
-    logits = F.linear(hidden.float(), weight, bias)  # [c, V] float32, alive only inside this chunk
-    return _loss_sums(logits, topk_ids, topk_logprobs, tail_mass, targets, cfg)
+class _FusedChunks(torch.autograd.Function):
+    """Head matmul + loss, chunk by chunk, with the gradient taken inside the forward pass.
+
+    The approach of Liger-Kernel's fused linear cross-entropy: each chunk's [c, V] logits exist only
+    during its own iteration; their gradient is folded into d(hidden) [N, H] and d(weight) [V, H] at
+    once, so backward only scales those by the incoming gradient and nothing is recomputed.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, topk_ids, topk_logprobs, tail_mass, targets, cfg):
+        need = any(ctx.needs_input_grad[:3])
+        h32, w32 = hidden.float(), weight.float()
+        b32 = None if bias is None else bias.float()
+        gh = torch.zeros_like(h32) if need else None
+        gw = torch.zeros_like(w32) if need else None
+        gb = torch.zeros_like(b32) if need and b32 is not None else None
+        sums = torch.zeros(3, dtype=torch.float32, device=hidden.device)
+        for lo in range(0, hidden.shape[0], cfg.chunk_size):
+            sl = slice(lo, lo + cfg.chunk_size)
+            hc = h32[sl]
+            logits = F.linear(hc, w32, b32)  # [c, V] float32
+            args = (topk_ids[sl], topk_logprobs[sl], tail_mass[sl], targets[sl], cfg)
+            if need:
+                logits.requires_grad_(True)
+                with torch.enable_grad():
+                    loss, kd, ce = _loss_sums(logits, *args)
+                (dlogits,) = torch.autograd.grad(loss, logits)  # [c, V], freed after this iteration
+                gh[sl] = dlogits @ w32
+                gw.addmm_(dlogits.T, hc)
+                if gb is not None:
+                    gb += dlogits.sum(0)
+            else:
+                loss, kd, ce = _loss_sums(logits, *args)
+            sums += torch.stack([loss.detach(), kd, ce])
+        ctx.save_for_backward(gh, gw, gb)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        loss, kd, ce = sums.unbind()
+        ctx.mark_non_differentiable(kd, ce)
+        return loss, kd, ce
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_kd, _g_ce):
+        gh, gw, gb = ctx.saved_tensors
+        dh, dw, db = ctx.dtypes
+        return ((gh * g_loss).to(dh) if gh is not None else None, (gw * g_loss).to(dw) if gw is not None else None,
+                (gb * g_loss).to(db) if gb is not None else None, None, None, None, None, None)
 
 
 def chunked_kd_loss(hidden: Tensor, lm_head_weight: Tensor, topk_ids: Tensor, topk_logprobs: Tensor,
@@ -180,24 +253,16 @@ def chunked_kd_loss(hidden: Tensor, lm_head_weight: Tensor, topk_ids: Tensor, to
     """kd_loss_from_logits(hidden @ W.T + b, ...) computed cfg.chunk_size positions at a time.
 
     hidden [N, H], lm_head_weight [V, H], lm_head_bias [V] or None; the rest as in kd_loss_from_logits.
-    Each chunk runs under non-reentrant activation checkpointing: its [chunk, V] logits and intermediates are
-    dropped after the forward and recomputed in the backward, so only one chunk's worth is ever alive.
+    At most one chunk's [chunk, V] float32 logits (and their gradient) are alive at any moment, and the
+    backward pass recomputes nothing (see _FusedChunks). Gradients accumulate in float32.
     """
-    # Upcast the head once, outside the chunks, so its gradient accumulates over chunks in float32 (casting per
-    # chunk would sum bf16 partial gradients). Costs one float32 [V, H] copy when the head is bf16.
-    weight = lm_head_weight.float()
-    bias = None if lm_head_bias is None else lm_head_bias.float()
     n = hidden.shape[0]
     if n == 0:
-        return kd_loss_from_logits(F.linear(hidden.float(), weight, bias), topk_ids, topk_logprobs, tail_mass,
-                                   targets, cfg)
-    total = None
-    for lo in range(0, n, cfg.chunk_size):
-        sl = slice(lo, lo + cfg.chunk_size)
-        sums = checkpoint(_chunk_sums, hidden[sl], weight, bias, topk_ids[sl], topk_logprobs[sl], tail_mass[sl],
-                          targets[sl], cfg, use_reentrant=False)
-        total = sums if total is None else tuple(a + b for a, b in zip(total, sums, strict=True))
-    loss, kd, ce = total
+        return kd_loss_from_logits(F.linear(hidden.float(), lm_head_weight.float(),
+                                            None if lm_head_bias is None else lm_head_bias.float()),
+                                   topk_ids, topk_logprobs, tail_mass, targets, cfg)
+    loss, kd, ce = _FusedChunks.apply(hidden, lm_head_weight, lm_head_bias, topk_ids, topk_logprobs, tail_mass,
+                                      targets, cfg)
     return loss, {"kd": float(kd), "sft": float(ce), "positions": int(n)}
 
 

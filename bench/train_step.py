@@ -1,0 +1,152 @@
+"""Training-step cost of cache-based KD, in one run on the same student and batch.
+
+    .venv/bin/python bench/train_step.py [--vocab 32000] [--batch 8] [--seq 256] [--k 64] [--steps 8]
+
+Prints, for forward + backward + AdamW step (plain torch, CPU threads as set):
+  * plain SFT (cross-entropy)                      -> the floor
+  * KD from the cache (chunked GKD, tail bucket)   -> ratio to SFT (goal <= 1.10)
+  * online KD: teacher 4x the student run every step, full-vocab KL -> what users do today
+and the peak memory of the loss alone (forward + backward over N positions) for the chunked
+loss against a dense log-softmax over the vocabulary, each measured in a fresh process.
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from train.losses import LossConfig, chunked_kd_loss, kd_loss_from_logits  # noqa: E402
+
+
+def model(vocab, hidden, layers, seed):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 128),
+                      max_position_embeddings=4096, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg)
+
+
+def batch(args, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    N = args.batch * (args.seq - 1)
+    bidx = torch.arange(args.batch).repeat_interleave(args.seq - 1)
+    pos = torch.arange(args.seq - 1).repeat(args.batch)
+    lp = torch.log_softmax(torch.randn(N, args.vocab, generator=g) * 3, -1)
+    top_lp, top_ids = lp.topk(args.k, -1)
+    tail = (1 - top_lp.double().exp().sum(-1)).clamp(0, 1).float()
+    return ids, bidx, pos, top_ids, top_lp, tail, ids[bidx, pos + 1]
+
+
+def timed(fn, steps):
+    fn()                                   # warm-up
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - t0) / steps
+
+
+def step_times(args):
+    student = model(args.vocab, args.hidden, args.layers, 0)
+    teacher = model(args.vocab, args.hidden * 2, args.layers * 2, 1).eval()     # ~4x the student's compute
+    ns = sum(p.numel() for p in student.parameters())
+    nt = sum(p.numel() for p in teacher.parameters())
+    ids, bidx, pos, tid, tlp, tail, tgt = batch(args)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
+    cfg = LossConfig(beta=0.5, tail="tail", chunk_size=args.chunk)
+    head = student.get_output_embeddings()
+
+    def sft():
+        out = student(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def kd_cache():
+        h = student.model(input_ids=ids).last_hidden_state[bidx, pos]
+        loss, _ = chunked_kd_loss(h, head.weight, tid, tlp, tail, tgt, cfg)
+        (loss / len(pos)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def kd_online():
+        with torch.no_grad():
+            t_lp = torch.log_softmax(teacher(input_ids=ids).logits[bidx, pos].float(), -1)
+        s_lp = torch.log_softmax(student(input_ids=ids).logits[bidx, pos].float(), -1)
+        loss = (t_lp.exp() * (t_lp - s_lp)).sum() / len(pos)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    res = {name: timed(fn, args.steps) for name, fn in (("sft", sft), ("kd_cache", kd_cache),
+                                                         ("kd_online", kd_online))}
+    return res, ns, nt
+
+
+def loss_memory(args, mode):
+    """Peak RSS growth (MB) of one loss forward+backward over N positions, in this fresh process."""
+    N, V, H = args.mem_positions, args.mem_vocab, 256
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(N, H, generator=g, requires_grad=True)
+    w = (torch.randn(V, H, generator=g) * 0.02).requires_grad_()
+    tid = torch.randint(0, V, (N, args.k), generator=g)
+    tlp = torch.log_softmax(torch.randn(N, args.k, generator=g), -1) - 1.0
+    tlp, _ = tlp.sort(-1, descending=True)
+    tail = (1 - tlp.exp().sum(-1)).clamp(0, 1)
+    tgt = torch.randint(0, V, (N,), generator=g)
+    cfg = LossConfig(beta=0.5, chunk_size=args.chunk)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if mode == "chunked":
+        loss, _ = chunked_kd_loss(h, w, tid, tlp, tail, tgt, cfg)
+    else:
+        loss, _ = kd_loss_from_logits(h @ w.T, tid, tlp, tail, tgt, cfg)
+    loss.backward()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--k", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--mem-positions", type=int, default=4096)
+    ap.add_argument("--mem-vocab", type=int, default=151936)
+    ap.add_argument("--_memory", choices=("chunked", "dense"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._memory:
+        print(json.dumps({"mb": loss_memory(args, args._memory)}))
+        return
+    t, ns, nt = step_times(args)
+    N = args.batch * (args.seq - 1)
+    print(f"student {ns / 1e6:.1f}M params, teacher {nt / 1e6:.1f}M ({nt / ns:.1f}x), vocab {args.vocab}, "
+          f"batch {args.batch}x{args.seq} ({N} trained positions), k={args.k}, {torch.get_num_threads()} threads")
+    print(f"{'step':<34}{'s/step':>9}{'vs SFT':>9}")
+    for name, label in (("sft", "plain SFT (cross-entropy)"), ("kd_cache", "KD from the cache (chunked GKD)"),
+                        ("kd_online", "online KD, teacher run each step")):
+        print(f"{label:<34}{t[name]:>9.3f}{t[name] / t['sft']:>9.2f}")
+    print(f"online KD / cache KD: {t['kd_online'] / t['kd_cache']:.2f}x")
+    mem = {}
+    for mode in ("chunked", "dense"):
+        out = subprocess.run([sys.executable, __file__, "--_memory", mode, "--mem-positions", str(args.mem_positions),
+                              "--mem-vocab", str(args.mem_vocab), "--k", str(args.k), "--chunk", str(args.chunk)],
+                             capture_output=True, text=True, check=True)
+        mem[mode] = json.loads(out.stdout.strip().splitlines()[-1])["mb"]
+    full = args.mem_positions * args.mem_vocab * 4 / 2 ** 20
+    print(f"loss peak memory, {args.mem_positions} positions x vocab {args.mem_vocab} "
+          f"(one fp32 [N, V] = {full:.0f} MB): chunked {mem['chunked']:.0f} MB, dense {mem['dense']:.0f} MB "
+          f"({mem['dense'] / max(mem['chunked'], 1):.1f}x)")
+
+
+if __name__ == "__main__":
+    main()
