@@ -6,13 +6,13 @@ Prints, for forward + backward + AdamW step (plain torch, CPU threads as set):
   * plain SFT (cross-entropy)                      -> the floor
   * KD from the cache (chunked GKD, tail bucket)   -> ratio to SFT (goal <= 1.10)
   * online KD: teacher 4x the student run every step, full-vocab KL -> what users do today
-and the peak memory of the loss alone (forward + backward over N positions) for the chunked
-loss against a dense log-softmax over the vocabulary, each measured in a fresh process.
+and the peak memory of tensors alive during the loss alone (forward + backward over N positions,
+gradients of hidden states and head included) for the chunked loss against the same loss on dense
+[N, V] logits, each measured in a fresh process.
 """
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -54,7 +54,7 @@ def timed(fn, steps):
 
 def step_times(args):
     student = model(args.vocab, args.hidden, args.layers, 0)
-    teacher = model(args.vocab, args.hidden * 2, args.layers * 2, 1).eval()     # ~4x the student's compute
+    teacher = model(args.vocab, args.hidden * 2, args.layers * 2, 1).eval()     # ~4x the parameters
     ns = sum(p.numel() for p in student.parameters())
     nt = sum(p.numel() for p in teacher.parameters())
     ids, bidx, pos, tid, tlp, tail, tgt = batch(args)
@@ -89,8 +89,37 @@ def step_times(args):
     return res, ns, nt
 
 
+class LiveBytes:
+    """Peak bytes of tensor storages created while active (a dispatch mode; inputs made before do not count)."""
+
+    def __enter__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        st = t.untyped_storage()
+                        outer.live.setdefault(id(st), (weakref.ref(st), st.nbytes()))
+                outer.live = {k: v for k, v in outer.live.items() if v[0]() is not None}
+                outer.peak = max(outer.peak, sum(n for _, n in outer.live.values()))
+                return out
+
+        self.live, self.peak, self.mode = {}, 0, Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
 def loss_memory(args, mode):
-    """Peak RSS growth (MB) of one loss forward+backward over N positions, in this fresh process."""
+    """Peak MB of tensors alive during one loss forward + backward over N positions."""
     N, V, H = args.mem_positions, args.mem_vocab, 256
     g = torch.Generator().manual_seed(0)
     h = torch.randn(N, H, generator=g, requires_grad=True)
@@ -101,13 +130,13 @@ def loss_memory(args, mode):
     tail = (1 - tlp.exp().sum(-1)).clamp(0, 1)
     tgt = torch.randint(0, V, (N,), generator=g)
     cfg = LossConfig(beta=0.5, chunk_size=args.chunk)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if mode == "chunked":
-        loss, _ = chunked_kd_loss(h, w, tid, tlp, tail, tgt, cfg)
-    else:
-        loss, _ = kd_loss_from_logits(h @ w.T, tid, tlp, tail, tgt, cfg)
-    loss.backward()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+    with LiveBytes() as mem:
+        if mode == "chunked":
+            loss, _ = chunked_kd_loss(h, w, tid, tlp, tail, tgt, cfg)
+        else:
+            loss, _ = kd_loss_from_logits(h @ w.T, tid, tlp, tail, tgt, cfg)
+        loss.backward()
+    return mem.peak / 2 ** 20
 
 
 def main():
@@ -122,6 +151,7 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--mem-positions", type=int, default=4096)
     ap.add_argument("--mem-vocab", type=int, default=151936)
+    ap.add_argument("--mem-chunk", type=int, default=128)
     ap.add_argument("--_memory", choices=("chunked", "dense"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._memory:
@@ -136,16 +166,19 @@ def main():
                         ("kd_online", "online KD, teacher run each step")):
         print(f"{label:<34}{t[name]:>9.3f}{t[name] / t['sft']:>9.2f}")
     print(f"online KD / cache KD: {t['kd_online'] / t['kd_cache']:.2f}x")
-    mem = {}
-    for mode in ("chunked", "dense"):
-        out = subprocess.run([sys.executable, __file__, "--_memory", mode, "--mem-positions", str(args.mem_positions),
-                              "--mem-vocab", str(args.mem_vocab), "--k", str(args.k), "--chunk", str(args.chunk)],
-                             capture_output=True, text=True, check=True)
-        mem[mode] = json.loads(out.stdout.strip().splitlines()[-1])["mb"]
     full = args.mem_positions * args.mem_vocab * 4 / 2 ** 20
-    print(f"loss peak memory, {args.mem_positions} positions x vocab {args.mem_vocab} "
-          f"(one fp32 [N, V] = {full:.0f} MB): chunked {mem['chunked']:.0f} MB, dense {mem['dense']:.0f} MB "
-          f"({mem['dense'] / max(mem['chunked'], 1):.1f}x)")
+    print(f"\nloss peak memory (forward + backward), vocab {args.mem_vocab}; one fp32 [N, V] at "
+          f"N={args.mem_positions} is {full:.0f} MB")
+    dense = None
+    for mode, chunk in (("dense", 0), ("chunked", args.mem_chunk), ("chunked", args.chunk)):
+        out = subprocess.run([sys.executable, __file__, "--_memory", mode, "--mem-positions", str(args.mem_positions),
+                              "--mem-vocab", str(args.mem_vocab), "--k", str(args.k), "--chunk", str(chunk or 1)],
+                             capture_output=True, text=True, check=True)
+        mb = json.loads(out.stdout.strip().splitlines()[-1])["mb"]
+        dense = dense or mb
+        label = "dense [N, V] logits" if mode == "dense" else f"chunked, {chunk} positions per chunk"
+        print(f"  {label:<36}{mb:>8.0f} MB  ({dense / mb:.1f}x less than dense)" if mode != "dense"
+              else f"  {label:<36}{mb:>8.0f} MB")
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ def test_generate_mode_stores_teacher_completions(tiny, tmp_path):
     assert res.returncode == 0, res.stderr
     tok = tiny["tok"]
     for raw, rec in zip(tiny["train"][:4], open_cache(tmp_path / "g")):
-        prompt = tok.apply_chat_template(raw["messages"][:2], tokenize=False, add_generation_prompt=True)
+        prompt = tok.apply_chat_template(raw["messages"][:-1], tokenize=False, add_generation_prompt=True)
         n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
         assert rec.positions[0] == n_prompt - 1 and rec.positions[-1] == len(rec.input_ids) - 2
         ended = rec.input_ids[-1] == tok.eos_token_id

@@ -1,0 +1,58 @@
+"""Encoded samples spooled to disk: tokenize once in the scan, stream them to the workers later.
+
+An Arrow IPC stream of (sample_id, input_ids, positions, truncated) in dataset order, under a
+dot-named directory in the output (ignored by cache readers) and deleted when the job ends. Keeps
+the driver's memory flat and its CPU free while the teacher runs.
+"""
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pyarrow as pa
+
+SCHEMA = pa.schema([("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32())),
+                    ("positions", pa.list_(pa.int32())), ("truncated", pa.bool_())])
+BATCH = 1024
+
+
+class Spool:
+    def __init__(self, parent):
+        os.makedirs(parent, exist_ok=True)
+        self.dir = tempfile.mkdtemp(prefix=".encoded-", dir=parent)
+        self.path = os.path.join(self.dir, "encoded.arrow")
+        self._sink = pa.OSFile(self.path, "wb")
+        self._writer = pa.ipc.new_stream(self._sink, SCHEMA)
+        self._rows = []
+
+    def add(self, sample_id, input_ids, positions, truncated):
+        self._rows.append((sample_id, input_ids, positions, truncated))
+        if len(self._rows) >= BATCH:
+            self._flush()
+
+    def _flush(self):
+        if self._rows:
+            sid, ids, pos, trunc = zip(*self._rows)
+            self._writer.write_batch(pa.record_batch([
+                pa.array(sid, pa.int64()), pa.array([np.asarray(x, np.int32) for x in ids], pa.list_(pa.int32())),
+                pa.array([np.asarray(x, np.int32) for x in pos], pa.list_(pa.int32())),
+                pa.array(trunc, pa.bool_())], schema=SCHEMA))
+            self._rows = []
+
+    def close_writing(self):
+        self._flush()
+        self._writer.close()
+        self._sink.close()
+
+    def __iter__(self):
+        """(sample_id, input_ids list, positions int32 array, truncated) in the order added."""
+        with pa.memory_map(self.path) as src:
+            for batch in pa.ipc.open_stream(src):
+                sid = batch.column(0).to_pylist()
+                ids, pos, trunc = batch.column(1), batch.column(2), batch.column(3).to_pylist()
+                for r in range(batch.num_rows):
+                    yield sid[r], ids[r].values.to_numpy().tolist(), \
+                        pos[r].values.to_numpy(zero_copy_only=False).astype(np.int32), trunc[r]
+
+    def delete(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
