@@ -24,7 +24,9 @@ class TrainConfig:
     weight_decay: float = field(0.0, "AdamW weight decay")
     grad_clip: float = field(1.0, "gradient norm clipping (0 = off)")
     batch_size: int = field(8, "samples per micro-batch per rank")
-    max_tokens: int = field(0, "token budget per micro-batch (padded tokens; 0 = no budget)")
+    max_tokens: int = field(0, "token budget per micro-batch (padded tokens; 0 = no budget); with --pack, "
+                                "the length of a packed row")
+    pack: bool = field(False, "pack several samples per row (block-diagonal attention, positions restart)")
     grad_accum: int = field(1, "micro-batches per optimizer step")
     max_steps: int = field(0, "optimizer steps (0 = run `epochs` epochs)")
     epochs: int = field(1, "passes over the cache when max_steps is 0")
@@ -69,5 +71,7 @@ class TrainConfig:
         for key, ok, why in checks:
             if not ok:
                 raise ConfigError(f"{key}: {getattr(self, key)!r} {why}")
+        if self.pack and not self.max_tokens:
+            raise ConfigError("pack: needs max_tokens (the packed row length), e.g. --max-tokens 2048")
         if self.deepspeed not in ("0", "1", "2", "3") and not self.deepspeed.endswith(".json"):
             raise ConfigError(f"deepspeed: {self.deepspeed!r} must be a ZeRO stage 0-3 or a .json config file")

@@ -57,10 +57,12 @@ class DistillModule(nn.Module):
         super().__init__()
         self.model, self.loss_cfg, self.chunked = model, loss_cfg, chunked
 
-    def forward(self, input_ids, attention_mask, batch_index, positions, topk_ids, topk_logprobs, tail_mass,
-                targets):
+    def forward(self, input_ids, attention_mask, position_ids, batch_index, positions, topk_ids, topk_logprobs,
+                tail_mass, targets):
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-        hidden = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state   # (B, T, H)
+        # use_cache=False: no KV cache in training, and transformers only detects packed rows without one.
+        hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state                                        # (B, T, H)
         h = hidden[batch_index, positions]                                                     # (N, H)
         head = self.model.get_output_embeddings()
         if self.chunked:

@@ -21,6 +21,9 @@ from .losses import LossConfig
 from .metrics import Metrics, plot_loss_curve
 from .model import DistillModule, check_tokenizer, load_student, load_tokenizer
 
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "batch_index", "positions", "topk_ids",
+                "topk_logprobs", "tail_mass", "targets")
+
 
 # ---------------------------------------------------------------------------- setup helpers
 def init_distributed():
@@ -91,7 +94,7 @@ def train(cfg):
         torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
     os.makedirs(cfg.out, exist_ok=True)
     stream = CacheStream(cfg.cache, rank=rank, world=world, seed=cfg.seed, shuffle=cfg.shuffle,
-                         batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, prefetch=cfg.prefetch,
+                         batch_size=cfg.batch_size, max_tokens=0 if cfg.pack else cfg.max_tokens, prefetch=cfg.prefetch,
                          epochs=None if cfg.max_steps else cfg.epochs)
     tok = load_tokenizer(cfg)
     check_tokenizer(tok, stream.cache.manifest, cfg.cache)
@@ -139,7 +142,8 @@ def train(cfg):
             if nxt is None:
                 break
             records, state = nxt
-            window.append(collate(records, pad_id=pad_id, student_vocab=student_vocab))
+            window.append(collate(records, pad_id=pad_id, student_vocab=student_vocab,
+                                  pack_len=cfg.max_tokens if cfg.pack else 0))
         have, = all_reduce([1.0 if len(window) == cfg.grad_accum else 0.0], op="min")
         if not have:
             reason = "data exhausted"
@@ -152,11 +156,12 @@ def train(cfg):
         # DeepSpeed divides by grad_accum and averages over ranks; undo both so the gradient is
         # sum(loss over every position of the step) / n_total.
         scale = cfg.grad_accum * world / n_total
-        sums = [0.0, 0.0, 0.0]
-        for b in window:
-            loss_sum, parts = engine(**{k: b[k] for k in ("input_ids", "attention_mask", "batch_index", "positions",
-                                                          "topk_ids", "topk_logprobs", "tail_mass", "targets")})
+        sums, grad_norm = [0.0, 0.0, 0.0], None
+        for i, b in enumerate(window):
+            loss_sum, parts = engine(**{k: b[k] for k in MODEL_INPUTS})
             engine.backward(loss_sum * scale)
+            if stage == 0 and i == len(window) - 1:      # ZeRO-0 does not report it; grads are reduced by now
+                grad_norm = _total_norm(engine.module)
             engine.step()
             sums[0] += float(loss_sum.detach())
             sums[1] += parts["kd"]
@@ -168,8 +173,10 @@ def train(cfg):
         # 4. Log, then checkpoint when due or when a signal arrived (all ranks agree).
         now = time.perf_counter()
         tok_s, = all_reduce([tokens_since / max(now - t_last, 1e-9)])
+        if stage > 0:
+            grad_norm = _grad_norm(engine)
         row = {"step": step, "loss": loss, "kd": kd, "sft": sft, "positions": int(n_total),
-               "lr": scheduler.get_last_lr()[0], "grad_norm": _grad_norm(engine), "tokens_per_s": round(tok_s, 1),
+               "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "tokens_per_s": round(tok_s, 1),
                "epoch": stream.state["epoch"], "outside_vocab": sum(b["n_outside_vocab"] for b in window)}
         if step % cfg.log_every == 0 or step == total_steps:
             metrics.log(row)
@@ -212,7 +219,7 @@ def _save(engine, cfg, step, rank, world, stream, dist):
 
 def _check_first_batch(batch, eos_ids, require_eos, cache_dir):
     """Every sample has trained positions; the end-of-turn target is among them (unless truncated)."""
-    idx = batch["batch_index"]
+    idx = batch["sample_index"]
     for b, (sid, trunc) in enumerate(zip(batch["sample_ids"], batch["truncated"])):
         mine = idx == b
         if not bool(mine.any()):
@@ -222,6 +229,11 @@ def _check_first_batch(batch, eos_ids, require_eos, cache_dir):
             raise DataStateError(
                 f"{cache_dir}: sample {sid} has no position predicting an end-of-turn token {sorted(eos_ids)}; "
                 "a student trained on this cache will not learn to stop. Pass --no-require-eos to train anyway.")
+
+
+def _total_norm(module):
+    grads = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
+    return float(torch.stack(grads).norm()) if grads else None
 
 
 def _grad_norm(engine):

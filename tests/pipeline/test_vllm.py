@@ -28,7 +28,7 @@ def test_vllm_and_hf_caches_agree(tiny, tmp_path):
     rows = [MULTI, {"prompt": "hello there", "completion": "sql"}, {"text": "docker and kubernetes"}] + \
         tiny["train"][:5]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
-    common = ["--teacher", tiny["teacher"], "--data", data, "--top-k", 64, "--logprob-dtype", "float32",
+    common = ["--teacher", tiny["teacher"], "--data", data, "--top-k", 128, "--logprob-dtype", "float32",
               "--shard-size", 4, "--max-length", 256]
     hf = precompute(*common, "--backend", "hf", "--out", tmp_path / "hf")
     assert hf.returncode == 0, hf.stderr

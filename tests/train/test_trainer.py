@@ -72,11 +72,16 @@ def test_loss_is_normalised_over_all_positions_of_the_accumulation_window(setup,
     a = run(train_cmd(setup, tmp_path / "a", "--max-steps", 3, "--batch-size", 4, "--no-shuffle", "--save-every", 0))
     b = run(train_cmd(setup, tmp_path / "b", "--max-steps", 3, "--batch-size", 1, "--grad-accum", 4, "--no-shuffle",
                       "--save-every", 0))
-    assert a.returncode == 0 and b.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
-    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
-    for x, y in zip(la, lb):
-        assert x["positions"] == y["positions"]
+    # ... and packing the same 4 samples into rows of up to 256 tokens changes nothing either.
+    c = run(train_cmd(setup, tmp_path / "c", "--max-steps", 3, "--batch-size", 4, "--no-shuffle", "--save-every", 0,
+                      "--pack", "--max-tokens", 256))
+    assert a.returncode == 0 and b.returncode == 0 and c.returncode == 0, (a.stderr[-2000:], c.stderr[-2000:])
+    la, lb, lc = losses(tmp_path / "a"), losses(tmp_path / "b"), losses(tmp_path / "c")
+    assert len(la) == len(lb) == len(lc) == 3
+    for x, y, z in zip(la, lb, lc):
+        assert x["positions"] == y["positions"] == z["positions"]
         assert abs(x["loss"] - y["loss"]) < 1e-5 * max(1.0, abs(x["loss"])), (x, y)
+        assert abs(x["loss"] - z["loss"]) < 1e-5 * max(1.0, abs(x["loss"])), (x, z)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
