@@ -200,16 +200,28 @@ def train(cfg):
         if rank == 0:
             print(f"\n{reason} at step {step}; checkpoint saved. Resume with:\n  {resume_cmd}", flush=True)
         return {"step": step, "reason": reason}
+    final = os.path.join(cfg.out, "final")
+    _save_final(engine.module.model, tok, final, rank, stage)
     if rank == 0:
-        final = os.path.join(cfg.out, "final")
-        engine.module.model.save_pretrained(final, safe_serialization=True)
-        tok.save_pretrained(final)
         curve = plot_loss_curve(cfg.out)
         atomic_write_bytes(os.path.join(cfg.out, "train_summary.json"),
                            json.dumps({"step": step, "reason": reason, "final_model": final}).encode())
         print(f"\ntraining {reason} at step {step}; student saved to {final}"
               + (f"; loss curve {curve}" if curve else ""), flush=True)
     return {"step": step, "reason": reason}
+
+
+def _save_final(model, tok, path, rank, stage):
+    """save_pretrained on rank 0; under ZeRO-3 every rank first gathers the partitioned weights."""
+    import contextlib
+
+    import deepspeed
+    gather = deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None) if stage == 3 \
+        else contextlib.nullcontext()
+    with gather:
+        if rank == 0:
+            model.save_pretrained(path, safe_serialization=True)
+            tok.save_pretrained(path)
 
 
 def _save(engine, cfg, step, rank, world, stream, dist):

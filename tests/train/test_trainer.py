@@ -128,18 +128,32 @@ def test_half_written_checkpoint_is_never_picked(setup, tmp_path):
     assert "resumed from" in res.stdout and "step-00000002" in res.stdout
 
 
-def test_two_processes_on_gloo(setup, tmp_path):
-    out = tmp_path / "o"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+def two_process_run(setup, out, stage):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(29517 + stage),
            "-m", "kdcache", *train_cmd(setup, out, "--max-steps", 4, "--batch-size", 2, "--save-every", 2,
-                                       "--threads", 1)[3:]]
+                                       "--threads", 1, "--deepspeed", stage)[3:]]
     res = run(cmd)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:])
-    rows = losses(out)
+    return losses(out)
+
+
+def test_two_processes_on_gloo_zero0_and_zero3_agree(setup, tmp_path):
+    rows = two_process_run(setup, tmp_path / "z0", 0)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    ck = out / "checkpoints" / "step-00000004"
+    ck = tmp_path / "z0" / "checkpoints" / "step-00000004"
     assert (ck / "rank-00000.json").exists() and (ck / "rank-00001.json").exists()
     assert json.load(open(ck / "complete.json"))["world_size"] == 2
+    # ZeRO-3 partitions the weights over the two ranks: same losses, and the saved student is whole.
+    rows3 = two_process_run(setup, tmp_path / "z3", 3)
+    for a, b in zip(rows, rows3):
+        assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(a["loss"])), (a, b)
+    from safetensors.torch import load_file
+    w0 = load_file(tmp_path / "z0" / "final" / "model.safetensors")
+    w3 = load_file(tmp_path / "z3" / "final" / "model.safetensors")
+    assert w0.keys() == w3.keys()
+    for k in w0:
+        assert w0[k].shape == w3[k].shape and w0[k].numel() > 0, k
+        torch.testing.assert_close(w0[k], w3[k], atol=1e-4, rtol=1e-3)
 
 
 def test_tokenizer_mismatch_refused(setup, tmp_path):
