@@ -23,6 +23,36 @@ def field(default, help, choices=None, **kw):  # noqa: A002 - mirrors argparse's
     return dataclasses.field(default=default, metadata=meta, **kw)
 
 
+def validate(cfg, required=(), checks=()):
+    """Refuse empty required keys and failed (key, ok, why) checks, naming the key and its value."""
+    for key in required:
+        if not getattr(cfg, key):
+            raise ConfigError(f"{key}: required (set it in the config file or with --{key.replace('_', '-')})")
+    for key, ok, why in checks:
+        if not ok:
+            raise ConfigError(f"{key}: {getattr(cfg, key)!r} {why}")
+
+
+def run_command(prog, description, cls, run, argv=None, extra_args=None, errors=()):
+    """The shared shape of `kdcache precompute/train`: --config YAML + one flag per field, clear errors, exit 2."""
+    import sys
+
+    from cache_format import CacheError
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--config", help="YAML file with any of the settings below; flags override it")
+    add_flags(p, cls)
+    if extra_args:
+        extra_args(p)
+    args = p.parse_args(argv)
+    try:
+        cfg = load(cls, args.config, overrides_from(args, cls))
+        run(cfg)
+    except (ConfigError, CacheError, *errors) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _base_type(tp):
     """(python type, optional) of an annotation like `int`, `float | None`, `list`."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]

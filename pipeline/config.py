@@ -1,7 +1,7 @@
 """Precompute settings: one typed dataclass, from YAML and flags."""
 from dataclasses import dataclass
 
-from kdcache.config import ConfigError, field
+from kdcache.config import field, validate
 
 
 @dataclass
@@ -46,10 +46,7 @@ class PrecomputeConfig:
                                           "positions that predict an end-of-turn token")
 
     def __post_init__(self):
-        for key in ("teacher", "data", "out"):
-            if not getattr(self, key):
-                raise ConfigError(f"{key}: required (set it in the config file or with --{key})")
-        checks = [
+        validate(self, required=("teacher", "data", "out"), checks=[
             ("top_k", 1 <= self.top_k <= 4096, "must be in [1, 4096]"),
             ("max_length", self.max_length >= 2, "must be >= 2"),
             ("shard_size", self.shard_size >= 1, "must be >= 1"),
@@ -61,7 +58,4 @@ class PrecomputeConfig:
             ("gen_temperature", self.gen_temperature >= 0, "must be >= 0"),
             ("gen_top_p", 0 < self.gen_top_p <= 1, "must be in (0, 1]"),
             ("threads", self.threads >= 0, "must be >= 0"),
-        ]
-        for key, ok, why in checks:
-            if not ok:
-                raise ConfigError(f"{key}: {getattr(self, key)!r} {why}")
+        ])

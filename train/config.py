@@ -1,7 +1,7 @@
 """Trainer settings: one typed dataclass, from YAML and flags."""
 from dataclasses import dataclass
 
-from kdcache.config import ConfigError, field
+from kdcache.config import ConfigError, field, validate
 
 
 @dataclass
@@ -46,10 +46,7 @@ class TrainConfig:
     stop_after: int = field(0, "testing aid: behave as if SIGTERM arrived after this step (0 = off)")
 
     def __post_init__(self):
-        for key in ("cache", "student", "out"):
-            if not getattr(self, key):
-                raise ConfigError(f"{key}: required (set it in the config file or with --{key})")
-        checks = [
+        validate(self, required=("cache", "student", "out"), checks=[
             ("beta", 0.0 <= self.beta <= 1.0, "must be in [0, 1]"),
             ("temperature", self.temperature > 0, "must be > 0"),
             ("sft_alpha", self.sft_alpha >= 0, "must be >= 0"),
@@ -67,10 +64,7 @@ class TrainConfig:
             ("keep_checkpoints", self.keep_checkpoints >= 1, "must be >= 1"),
             ("prefetch", self.prefetch >= 1, "must be >= 1"),
             ("log_every", self.log_every >= 1, "must be >= 1"),
-        ]
-        for key, ok, why in checks:
-            if not ok:
-                raise ConfigError(f"{key}: {getattr(self, key)!r} {why}")
+        ])
         if self.pack and not self.max_tokens:
             raise ConfigError("pack: needs max_tokens (the packed row length), e.g. --max-tokens 2048")
         if self.deepspeed not in ("0", "1", "2", "3") and not self.deepspeed.endswith(".json"):

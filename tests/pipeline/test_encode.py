@@ -3,14 +3,7 @@ import pytest
 
 from pipeline.data import parse_record
 from pipeline.encode import Encoder, Skip, end_of_turn_ids
-
-MULTI = {"messages": [
-    {"role": "system", "content": "be brief"},
-    {"role": "user", "content": "first question"},
-    {"role": "assistant", "content": "sql, python"},
-    {"role": "user", "content": "second question"},
-    {"role": "assistant", "content": "docker"},
-]}
+from tests.helpers.chats import MULTI
 
 
 def targets(enc):

@@ -12,16 +12,10 @@ import torch
 
 from cache_format import open_cache, verify_cache
 from tests.conftest import ROOT, write_jsonl
+from tests.helpers.chats import MULTI
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-MULTI = {"messages": [
-    {"role": "system", "content": "be brief"},
-    {"role": "user", "content": "first question"},
-    {"role": "assistant", "content": "sql, python"},
-    {"role": "user", "content": "second question"},
-    {"role": "assistant", "content": "docker"},
-]}
 
 
 def precompute(*args, timeout=300):

@@ -4,7 +4,8 @@ import pytest
 
 from cache_format import open_cache, verify_cache
 from tests.conftest import write_jsonl
-from tests.pipeline.test_precompute import MULTI, precompute
+from tests.helpers.chats import MULTI
+from tests.pipeline.test_precompute import precompute
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
 
