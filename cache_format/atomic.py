@@ -6,7 +6,20 @@ never a partial file under a final name.
 """
 import os
 import shutil
+import signal
 import uuid
+
+# Fault injection for the chaos script (bench/chaos.py): KDCACHE_CRASH_AT="NAME@N" kills this process
+# with SIGKILL the N-th time it reaches crash point NAME. Unset in normal runs: one string test, no effect.
+_CRASH_NAME, _, _CRASH_N = os.environ.get("KDCACHE_CRASH_AT", "").partition("@")
+_HITS = {}
+
+
+def crash_point(name):
+    if _CRASH_NAME and _CRASH_NAME == name:
+        _HITS[name] = _HITS.get(name, 0) + 1
+        if _HITS[name] == int(_CRASH_N or 1):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fsync_dir(path):
@@ -30,6 +43,7 @@ def atomic_write_bytes(path, data: bytes):
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        crash_point("before-replace-" + os.path.basename(path))
         os.replace(tmp, path)
     except BaseException:
         _remove(tmp)
@@ -55,6 +69,7 @@ def publish(tmp_path, final_path):
     A directory replaces an existing one (left by an uncommitted earlier attempt)
     by first moving the old one aside; readers never see a mix of the two.
     """
+    crash_point("before-publish")
     if os.path.isdir(tmp_path):
         fsync_tree(tmp_path)
         if os.path.lexists(final_path):

@@ -11,7 +11,7 @@ import sys
 import time
 from collections import Counter
 
-from cache_format import CacheWriter, hash_json, hash_tree
+from cache_format import CacheError, CacheWriter, hash_json, hash_tree
 from cache_format.atomic import atomic_write_bytes
 from cache_format.tokenizer_id import tokenizer_identity
 
@@ -20,6 +20,10 @@ from .encode import Encoder, Skip, end_of_turn_ids
 from .spool import Spool
 
 REPORT_DIR = "report"
+
+
+class WorkerDied(CacheError):
+    """A Ray teacher worker was killed or crashed mid-job."""
 
 
 def resolve_backend(cfg):
@@ -245,7 +249,11 @@ def _run_units(cfg, ray, gpus, writer, spool, todo, backend, dtype, vocab_size, 
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
                 free.append(pending.pop(ref))
-                res = ray.get(ref)
+                try:
+                    res = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    raise WorkerDied(f"a teacher worker died ({type(e).__name__}); the {len(writer.done_indices())} "
+                                     "shards committed so far are safe. Rerun the same command to resume.") from e
                 info = res["info"]
                 writer.commit(info)
                 run_tokens += res["tokens"]
