@@ -177,3 +177,22 @@ def test_existing_ray_cluster_same_code_path(mixed, tmp_path, monkeypatch):
     for ra, rb in zip(a, b):
         for f in ("sample_id", "input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass"):
             np.testing.assert_array_equal(getattr(ra, f), getattr(rb, f))
+
+
+@pytest.mark.parametrize("point", ["before-replace-manifest.json@3", "before-publish@2"])
+def test_crash_at_commit_points_then_resume_equals_uninterrupted(mixed, tmp_path, monkeypatch, point):
+    """SIGKILL exactly before the manifest replace (driver) or before a shard rename (worker), then resume."""
+    args = list(mixed["args"])
+    args[args.index("--out") + 1] = tmp_path / "c"
+    monkeypatch.setenv("KDCACHE_CRASH_AT", point)
+    first = precompute(*args)
+    assert first.returncode != 0                                   # the job really died at the crash point
+    monkeypatch.delenv("KDCACHE_CRASH_AT")
+    assert verify_cache(tmp_path / "c").ok                         # what was committed is sound
+    res = precompute(*args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = open_cache(mixed["out"]), open_cache(tmp_path / "c")
+    assert b.complete and len(a) == len(b)
+    for ra, rb in zip(a, b):
+        for f in ("sample_id", "input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass"):
+            np.testing.assert_array_equal(getattr(ra, f), getattr(rb, f))
