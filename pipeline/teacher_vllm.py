@@ -48,26 +48,39 @@ class VLLMTeacher:
 
 
 def _topk_from_flat(flat, positions, k, T):
-    """(ids [P,k], logprobs [P,k], tail [P]) from vLLM FlatLogprobs for prompt positions."""
+    """(ids [P,k], logprobs [P,k], tail [P]) from vLLM FlatLogprobs for prompt positions.
+
+    Entry t+1 holds the prompt token (any rank) followed by ranks 1..k. That fixed layout is read
+    with one vectorised gather; anything else falls back to a per-position selection by rank.
+    """
     start = np.asarray(flat.start_indices)
     end = np.asarray(flat.end_indices)
-    ids = np.asarray(flat.token_ids, dtype=np.int64)
-    lps = np.asarray(flat.logprobs, dtype=np.float64)
-    ranks = np.asarray([r if r is not None else -1 for r in flat.ranks], dtype=np.int64)
     if len(start) != T:
         raise RuntimeError(f"vLLM returned prompt logprobs for {len(start)} positions, expected {T}")
-    out_ids = np.empty((len(positions), k), dtype=np.int32)
-    out_lp = np.empty((len(positions), k), dtype=np.float64)
-    for row, t in enumerate(positions):
-        a, b = start[t + 1], end[t + 1]
-        r, i, lp = ranks[a:b], ids[a:b], lps[a:b]
-        # Each entry holds the prompt token (any rank) plus ranks 1..k; keep ranks 1..k, once each.
+    ids = np.asarray(flat.token_ids, dtype=np.int64)
+    lps = np.asarray(flat.logprobs, dtype=np.float64)
+    ranks = np.asarray(flat.ranks)
+    if ranks.dtype == object:                    # a rank can be None; only then pay for a Python pass
+        ranks = np.asarray([-1 if r is None else r for r in flat.ranks])
+    ranks = ranks.astype(np.int64)
+    rows = np.asarray(positions, dtype=np.int64) + 1
+    a = start[rows]
+    if np.all(end[rows] - a == k + 1):
+        cols = a[:, None] + 1 + np.arange(k)[None, :]                  # [P, k]: skip the prompt-token entry
+        if np.array_equal(ranks[cols], np.broadcast_to(np.arange(1, k + 1), cols.shape)):
+            out_ids, out_lp = ids[cols], lps[cols]
+            tail = np.clip(1.0 - np.exp(out_lp).sum(-1), 0.0, 1.0)
+            return out_ids.astype(np.int32), out_lp.astype(np.float32), tail.astype(np.float32)
+    out_ids = np.empty((len(rows), k), dtype=np.int32)
+    out_lp = np.empty((len(rows), k), dtype=np.float64)
+    for row, (lo, hi) in enumerate(zip(a, end[rows])):
+        r = ranks[lo:hi]
         sel = np.flatnonzero((r >= 1) & (r <= k))
         _, first = np.unique(r[sel], return_index=True)
         sel = sel[first]
         if len(sel) != k:
-            raise RuntimeError(f"vLLM gave {len(sel)} top-k entries at prompt position {t + 1}, expected {k}")
-        order = sel[np.argsort(r[sel], kind="stable")]
-        out_ids[row], out_lp[row] = i[order], lp[order]
+            raise RuntimeError(f"vLLM gave {len(sel)} top-k entries at a prompt position, expected {k}")
+        order = lo + sel[np.argsort(r[sel], kind="stable")]
+        out_ids[row], out_lp[row] = ids[order], lps[order]
     tail = np.clip(1.0 - np.exp(out_lp).sum(-1), 0.0, 1.0)
     return out_ids, out_lp.astype(np.float32), tail.astype(np.float32)
