@@ -6,13 +6,15 @@ most `prefetch` decoded shards in memory, never the whole cache. The stream's
 position (epoch, shard cursor, row cursor) after each batch is part of every
 checkpoint, so a resumed run continues with exactly the next samples.
 """
+import os
 import queue
 import threading
 
 import numpy as np
 import torch
 
-from cache_format import CacheError, open_cache
+from cache_format import CacheError, ShardError, hash_tree, open_cache
+from cache_format.manifest import safe_shard_path
 
 
 class DataStateError(CacheError):
@@ -21,7 +23,7 @@ class DataStateError(CacheError):
 
 class CacheStream:
     def __init__(self, cache_dir, *, rank=0, world=1, seed=0, shuffle=True, batch_size=8, max_tokens=0,
-                 prefetch=2, epochs=None):
+                 prefetch=2, epochs=None, skip_damaged=False):
         self.cache = open_cache(cache_dir)
         if self.cache.num_shards < world:
             raise DataStateError(f"{cache_dir}: {self.cache.num_shards} shard(s) cannot feed {world} ranks; "
@@ -29,6 +31,9 @@ class CacheStream:
         self.rank, self.world, self.seed, self.shuffle = rank, world, seed, shuffle
         self.batch_size, self.max_tokens, self.prefetch, self.epochs = batch_size, max_tokens, prefetch, epochs
         self.state = {"epoch": 0, "shard_cursor": 0, "row_cursor": 0}
+        self.skip_damaged = skip_damaged
+        self.damaged = {}          # shard path -> samples skipped because its checksum failed
+        self._verified = set()
 
     # -- the order -------------------------------------------------------------------
     def shards_for(self, epoch):
@@ -61,12 +66,31 @@ class CacheStream:
             while self.epochs is None or epoch < self.epochs:
                 plan = self.shards_for(epoch)
                 for c in range(cursor, len(plan)):
+                    if not self._sound(plan[c]):
+                        out.put(("damaged", epoch, c, len(plan), []))
+                        continue
                     recs = list(self.cache.iter_shard(plan[c]))
                     out.put(("shard", epoch, c, len(plan), recs))
                 epoch, cursor = epoch + 1, 0
             out.put(("end",))
         except BaseException as e:  # surface reader errors in the trainer thread
             out.put(("error", e))
+
+    def _sound(self, j):
+        """Checksum a shard before its first use: a damaged shard fails the run, or is skipped and counted."""
+        if j in self._verified:
+            return True
+        info = self.cache.shards[j]
+        path = safe_shard_path(self.cache.directory, info["path"])
+        if os.path.exists(path) and hash_tree(path) == info["sha256"]:
+            self._verified.add(j)
+            return True
+        if not self.skip_damaged:
+            raise ShardError(f"{path}: shard {info['index']} is missing or fails its sha256 checksum "
+                             f"({info['num_samples']} samples). Run `kdcache verify {self.cache.directory}`; "
+                             "pass --skip-damaged-shards to train on the rest.")
+        self.damaged[info["path"]] = info["num_samples"]
+        return False
 
     def samples(self):
         """Yield (record, state after it) from the saved position onward."""
@@ -80,7 +104,10 @@ class CacheStream:
                 return
             if item[0] == "error":
                 raise item[1]
-            _, epoch, c, n_plan, recs = item
+            kind, epoch, c, n_plan, recs = item
+            if kind == "damaged":
+                first = False
+                continue
             rows = self.rows_for(epoch, self.shards_for(epoch)[c])
             start = st["row_cursor"] if first else 0
             first = False

@@ -95,7 +95,7 @@ def train(cfg):
     os.makedirs(cfg.out, exist_ok=True)
     stream = CacheStream(cfg.cache, rank=rank, world=world, seed=cfg.seed, shuffle=cfg.shuffle,
                          batch_size=cfg.batch_size, max_tokens=0 if cfg.pack else cfg.max_tokens, prefetch=cfg.prefetch,
-                         epochs=None if cfg.max_steps else cfg.epochs)
+                         epochs=None if cfg.max_steps else cfg.epochs, skip_damaged=cfg.skip_damaged_shards)
     tok = load_tokenizer(cfg)
     check_tokenizer(tok, stream.cache.manifest, cfg.cache)
     model = load_student(cfg.student, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
@@ -205,7 +205,11 @@ def train(cfg):
     if rank == 0:
         curve = plot_loss_curve(cfg.out)
         atomic_write_bytes(os.path.join(cfg.out, "train_summary.json"),
-                           json.dumps({"step": step, "reason": reason, "final_model": final}).encode())
+                           json.dumps({"step": step, "reason": reason, "final_model": final,
+                                       "damaged_shards_skipped": stream.damaged}).encode())
+        if stream.damaged:
+            print(f"skipped {len(stream.damaged)} damaged shard(s), {sum(stream.damaged.values())} samples per "
+                  f"epoch: {sorted(stream.damaged)}", flush=True)
         print(f"\ntraining {reason} at step {step}; student saved to {final}"
               + (f"; loss curve {curve}" if curve else ""), flush=True)
     return {"step": step, "reason": reason}
