@@ -9,17 +9,22 @@ import shutil
 import signal
 import uuid
 
-# Fault injection for the chaos script (bench/chaos.py): KDCACHE_CRASH_AT="NAME@N" kills this process
-# with SIGKILL the N-th time it reaches crash point NAME. Unset in normal runs: one string test, no effect.
-_CRASH_NAME, _, _CRASH_N = os.environ.get("KDCACHE_CRASH_AT", "").partition("@")
+# Fault injection for bench/chaos.py and the tests. KDCACHE_CRASH_AT="NAME@N": SIGKILL this process
+# the N-th time it reaches crash point NAME. KDCACHE_ENOSPC_AT="NAME@N": raise "No space left on
+# device" there instead (a disk filling up). Unset in normal runs: one string test, no effect.
+_FAULTS = {kind: os.environ.get(var, "").partition("@") for kind, var in
+           (("kill", "KDCACHE_CRASH_AT"), ("enospc", "KDCACHE_ENOSPC_AT"))}
 _HITS = {}
 
 
 def crash_point(name):
-    if _CRASH_NAME and _CRASH_NAME == name:
-        _HITS[name] = _HITS.get(name, 0) + 1
-        if _HITS[name] == int(_CRASH_N or 1):
-            os.kill(os.getpid(), signal.SIGKILL)
+    for kind, (target, _, n) in _FAULTS.items():
+        if target and target == name:
+            _HITS[kind] = _HITS.get(kind, 0) + 1
+            if _HITS[kind] == int(n or 1):
+                if kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise OSError(28, "No space left on device (injected)")
 
 
 def fsync_dir(path):

@@ -243,17 +243,24 @@ def _run_units(cfg, ray, gpus, writer, spool, todo, backend, dtype, vocab_size, 
                 w = free.pop(0)
                 unit = {"directory": os.path.abspath(cfg.out), "index": j, "items": items,
                         "sample_start": j * cfg.shard_size, "sample_end": min((j + 1) * cfg.shard_size, n_records)}
-                pending[w.run.remote(unit)] = w
+                pending[w.run.remote(unit)] = (w, j)
             if not pending:
                 break
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
-                free.append(pending.pop(ref))
+                w, j = pending.pop(ref)
+                free.append(w)
                 try:
                     res = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
-                    raise WorkerDied(f"a teacher worker died ({type(e).__name__}); the {len(writer.done_indices())} "
-                                     "shards committed so far are safe. Rerun the same command to resume.") from e
+                    raise WorkerDied(f"a teacher worker died ({type(e).__name__}) while on shard {j}; the "
+                                     f"{len(writer.done_indices())} shards committed so far are safe. Rerun the "
+                                     "same command to resume.") from e
+                except ray.exceptions.RayTaskError as e:   # e.g. the disk filled up while writing the shard
+                    cause = e.cause if getattr(e, "cause", None) is not None else e
+                    raise WorkerDied(f"shard {j} failed in its worker: {type(cause).__name__}: {cause}. The "
+                                     f"{len(writer.done_indices())} shards committed so far are safe; fix the cause "
+                                     "and rerun the same command to resume.") from e
                 info = res["info"]
                 writer.commit(info)
                 run_tokens += res["tokens"]

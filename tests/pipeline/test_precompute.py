@@ -196,3 +196,18 @@ def test_crash_at_commit_points_then_resume_equals_uninterrupted(mixed, tmp_path
     for ra, rb in zip(a, b):
         for f in ("sample_id", "input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass"):
             np.testing.assert_array_equal(getattr(ra, f), getattr(rb, f))
+
+
+def test_disk_full_in_a_worker_is_a_clear_error_and_loses_nothing(mixed, tmp_path, monkeypatch):
+    args = list(mixed["args"])
+    args[args.index("--out") + 1] = tmp_path / "c"
+    monkeypatch.setenv("KDCACHE_ENOSPC_AT", "before-publish@2")
+    first = precompute(*args)
+    assert first.returncode == 2, first.stderr[-2000:]
+    assert "No space left on device" in first.stderr and "shard" in first.stderr and "Traceback" not in first.stderr
+    monkeypatch.delenv("KDCACHE_ENOSPC_AT")
+    assert verify_cache(tmp_path / "c").ok
+    assert not [p for p in os.listdir(tmp_path / "c" / "shards") if p.startswith(".")]   # no temp file left
+    res = precompute(*args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r.sample_id for r in open_cache(tmp_path / "c")] == [r.sample_id for r in open_cache(mixed["out"])]
