@@ -1,0 +1,55 @@
+"""Load: readers of one cache, and readers polling a cache that is being written, all at once."""
+import multiprocessing as mp
+import os
+
+import pytest
+
+from cache_format import open_cache, write_cache
+from tests.helpers.records import make_records, writer_kwargs
+
+
+def _stream_all(path, epochs, q):
+    try:
+        from train.data import CacheStream
+        s = CacheStream(path, seed=os.getpid(), epochs=epochs)
+        q.put(("reader", sorted(r.sample_id for r, _ in s.samples())))
+    except BaseException as e:  # report, do not hang the parent
+        q.put(("error", repr(e)))
+
+
+def _poll_growing(path, q, rounds=40):
+    """Open the cache being written over and over; every listed shard must decode whole."""
+    seen, problems = 0, []
+    for _ in range(rounds):
+        try:
+            cache = open_cache(path)
+        except Exception:           # before the first manifest exists
+            continue
+        for j in range(cache.num_shards):
+            n = sum(1 for _ in cache.iter_shard(j))
+            if n != cache.shards[j]["num_samples"]:
+                problems.append((cache.shards[j]["path"], n))
+        seen = max(seen, cache.num_shards)
+    q.put(("poller", seen, problems))
+
+
+@pytest.mark.slow
+def test_concurrent_readers_and_a_writer(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_cache(a, make_records(120, seed=1), shard_size=10, **writer_kwargs("arrow"))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_stream_all, args=(str(a), 2, q)) for _ in range(3)]
+    procs += [ctx.Process(target=_poll_growing, args=(str(b), q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    write_cache(b, make_records(200, seed=2), shard_size=5, **writer_kwargs("zarr"))   # 40 commits meanwhile
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert not [r for r in results if r[0] == "error"], results
+    readers = [r[1] for r in results if r[0] == "reader"]
+    assert len(readers) == 3 and all(r == sorted(list(range(120)) * 2) for r in readers)
+    pollers = [r for r in results if r[0] == "poller"]
+    assert len(pollers) == 2 and all(not r[2] for r in pollers)        # never a partial shard
+    assert open_cache(b).complete and len(open_cache(b)) == 200
