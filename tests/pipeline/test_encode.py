@@ -76,3 +76,17 @@ def test_generate_mode_encodes_prompt_up_to_generation_prompt(tiny):
     assert tok.decode(enc.input_ids) == want
     with pytest.raises(Skip):
         Encoder(tok, mode="generate").encode(parse_record({"text": "x"}))
+
+
+def test_enormous_message_is_truncated_and_flagged_or_dropped(tiny):
+    tok = tiny["tok"]
+    huge = {"messages": [{"role": "user", "content": "docker " * 20000}, {"role": "assistant", "content": "sql"}]}
+    with pytest.raises(Skip) as e:                       # the answer lies beyond max_length: nothing to train
+        Encoder(tok, max_length=512).encode(parse_record(huge))
+    assert e.value.reason == "no_targets"
+    long_answer = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "sql " * 5000}]}
+    enc = Encoder(tok, max_length=512).encode(parse_record(long_answer))
+    assert enc.truncated and len(enc.input_ids) == 512 and enc.positions.max() == 510
+    with pytest.raises(Skip) as e:
+        Encoder(tok, max_length=512, overlong="drop").encode(parse_record(long_answer))
+    assert e.value.reason == "too_long"
