@@ -17,24 +17,33 @@ def _stream_all(path, epochs, q):
         q.put(("error", repr(e)))
 
 
-def _poll_growing(path, q, rounds=40):
-    """Open the cache being written over and over; every listed shard must decode whole."""
-    seen, problems = 0, []
-    for _ in range(rounds):
+def _poll_growing(path, q, timeout=300):
+    """Open the cache being written over and over until it is complete; every listed shard must decode whole."""
+    import time
+    seen, problems, t0 = 0, [], time.time()
+    while time.time() - t0 < timeout:
         try:
             cache = open_cache(path)
         except Exception:           # before the first manifest exists
+            time.sleep(0.05)
             continue
         for j in range(cache.num_shards):
             n = sum(1 for _ in cache.iter_shard(j))
             if n != cache.shards[j]["num_samples"]:
                 problems.append((cache.shards[j]["path"], n))
         seen = max(seen, cache.num_shards)
+        if cache.complete:
+            break
     q.put(("poller", seen, problems))
 
 
 @pytest.mark.slow
-def test_concurrent_readers_and_a_writer(tmp_path):
+@pytest.mark.ray
+def test_concurrent_readers_while_a_precompute_writes(tmp_path, tiny):
+    """Three training readers stream cache A twice; meanwhile `kdcache precompute` writes cache B in the
+    same store and two more processes keep reopening B and decoding every shard it lists."""
+    from tests.conftest import write_jsonl
+    from tests.pipeline.test_precompute import precompute
     a, b = tmp_path / "a", tmp_path / "b"
     write_cache(a, make_records(120, seed=1), shard_size=10, **writer_kwargs("arrow"))
     ctx = mp.get_context("spawn")
@@ -43,7 +52,9 @@ def test_concurrent_readers_and_a_writer(tmp_path):
     procs += [ctx.Process(target=_poll_growing, args=(str(b), q)) for _ in range(2)]
     for p in procs:
         p.start()
-    write_cache(b, make_records(200, seed=2), shard_size=5, **writer_kwargs("zarr"))   # 40 commits meanwhile
+    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:40])
+    res = precompute("--teacher", tiny["teacher"], "--data", data, "--out", b, "--backend", "hf", "--top-k", 8,
+                     "--shard-size", 2, "--format", "zarr")                           # 20 commits meanwhile
     results = [q.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(timeout=60)
@@ -51,5 +62,7 @@ def test_concurrent_readers_and_a_writer(tmp_path):
     readers = [r[1] for r in results if r[0] == "reader"]
     assert len(readers) == 3 and all(r == sorted(list(range(120)) * 2) for r in readers)
     pollers = [r for r in results if r[0] == "poller"]
+    assert res.returncode == 0, res.stderr[-2000:]
     assert len(pollers) == 2 and all(not r[2] for r in pollers)        # never a partial shard
-    assert open_cache(b).complete and len(open_cache(b)) == 200
+    assert all(r[1] == 20 for r in pollers)                            # they followed it to the end
+    assert open_cache(b).complete and len(open_cache(b)) == 40
