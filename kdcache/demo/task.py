@@ -26,7 +26,6 @@ ROLES = ["data engineer", "web developer", "analyst", "platform engineer", "desi
          "product engineer", "consultant", "research engineer", "intern"]
 OPENERS = ["We are hiring a {role}.", "Our team needs a {role}.", "Join us as a {role}.", "Open role: {role}."]
 ASK = "List the required skills."
-SYSTEM = "You extract required skills from job postings."
 
 
 def make_example(rng: random.Random):
@@ -61,11 +60,6 @@ def write_jsonl(records, path):
     with open(path, "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
-
-
-def parse_labels(text):
-    """Labels from a generated answer: comma separated, lower-cased, unknown words kept (they count as wrong)."""
-    return [p.strip().lower() for p in text.split(",") if p.strip()]
 
 
 def corpus(records):
