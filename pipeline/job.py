@@ -195,6 +195,7 @@ def _job(cfg, t_start, tok, eos_ids, encoder, spool):
                          eos_token_ids=eos_ids, fingerprint_parts=parts, num_shards_planned=n_units,
                          logprob_dtype=cfg.logprob_dtype, codec=cfg.codec, meta=meta)
     with writer:
+        spool.remove_stale()              # left by a job killed before it could clean up; we hold the lock now
         _save_reports(cfg, skipped)
         todo = set(range(n_units)) - writer.done_indices()
         at_start = len(writer.manifest["shards"])

@@ -54,5 +54,13 @@ class Spool:
                     yield sid[r], ids[r].values.to_numpy().tolist(), \
                         pos[r].values.to_numpy(zero_copy_only=False).astype(np.int32), trunc[r]
 
+    def remove_stale(self):
+        """Delete other jobs' spools in the same directory. Call only while holding the writer lock."""
+        parent = os.path.dirname(self.dir)
+        for name in os.listdir(parent):
+            path = os.path.join(parent, name)
+            if name.startswith(".encoded-") and path != self.dir:
+                shutil.rmtree(path, ignore_errors=True)
+
     def delete(self):
         shutil.rmtree(self.dir, ignore_errors=True)

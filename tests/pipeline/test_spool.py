@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 
 from pipeline.job import iter_units
@@ -31,3 +33,11 @@ def test_units_include_shards_whose_records_were_all_skipped(tmp_path):
     assert units == {0: [0, 1], 1: [], 2: [5], 3: [], 4: [9]}
     units = {j: [it[0] for it in items] for j, items in iter_units(Cfg, sp, {1, 4})}
     assert units == {1: [], 4: [9]}
+
+
+def test_stale_spools_are_removed_by_the_lock_holder(tmp_path):
+    stale = spool_of(tmp_path, [0, 1])              # as if its job was killed with kill -9
+    mine = spool_of(tmp_path, [0])
+    mine.remove_stale()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [os.path.basename(mine.dir)] and stale.dir != mine.dir
