@@ -51,7 +51,7 @@ def atomic_write_bytes(path, data: bytes):
         crash_point("before-replace-" + os.path.basename(path))
         os.replace(tmp, path)
     except BaseException:
-        _remove(tmp)
+        remove(tmp)
         raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
@@ -81,7 +81,7 @@ def publish(tmp_path, final_path):
             old = temp_name(final_path) + ".old"
             os.replace(final_path, old)
             os.replace(tmp_path, final_path)
-            _remove(old)
+            remove(old)
         else:
             os.replace(tmp_path, final_path)
     else:
@@ -94,7 +94,7 @@ def publish(tmp_path, final_path):
     fsync_dir(os.path.dirname(os.path.abspath(final_path)))
 
 
-def _remove(path):
+def remove(path):
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.lexists(path):
@@ -103,6 +103,3 @@ def _remove(path):
         except FileNotFoundError:
             pass
 
-
-def remove(path):
-    _remove(path)

@@ -48,10 +48,6 @@ def hash_json(obj) -> str:
     return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()
 
 
-def hash_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def hash_file(path) -> str:
     h = hashlib.sha256()
     try:

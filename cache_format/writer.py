@@ -120,10 +120,6 @@ class CacheWriter:
         recount(self.manifest)
         save_manifest(self.directory, self.manifest)
 
-    def update_meta(self, **meta):
-        self.manifest["meta"].update(meta)
-        save_manifest(self.directory, self.manifest)
-
     def close(self):
         self._lock.release()
 
