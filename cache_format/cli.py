@@ -1,10 +1,13 @@
-"""`kdcache inspect` and `kdcache verify`."""
+"""`kdcache inspect`, `verify`, `ls` and `gc`: the commands that need only the format."""
 import argparse
+import calendar
 import json
 import sys
+import time
 
 from .errors import CacheError
 from .manifest import load_manifest
+from .store import gc, is_store, list_caches
 from .verify import verify_cache
 
 
@@ -12,13 +15,14 @@ def inspect_main(argv=None):
     p = argparse.ArgumentParser(prog="kdcache inspect",
                                 description="Summarize a logit cache: counts, k, backend, fingerprint, "
                                             "bytes per position, and a per-shard table.")
-    p.add_argument("cache", help="cache directory (holds manifest.json)")
+    p.add_argument("cache", help="cache directory or URL (holds manifest.json)")
     p.add_argument("--json", action="store_true", help="print the manifest plus derived figures as JSON")
     args = p.parse_args(argv)
     try:
         m = load_manifest(args.cache)
     except CacheError as e:
-        print(f"error: {e}", file=sys.stderr)
+        hint = f"\n{args.cache} is a store: `kdcache ls {args.cache}` lists its caches" if is_store(args.cache) else ""
+        print(f"error: {e}{hint}", file=sys.stderr)
         return 2
     c = m["counts"]
     derived = {
@@ -61,7 +65,7 @@ def verify_main(argv=None):
     p = argparse.ArgumentParser(prog="kdcache verify",
                                 description="Check every checksum and structural invariant of a cache. "
                                             "Exit 0 when sound, 1 with the shard and reason when not.")
-    p.add_argument("cache", help="cache directory (holds manifest.json)")
+    p.add_argument("cache", help="cache directory or URL (holds manifest.json)")
     p.add_argument("--quick", action="store_true", help="checksums and sizes only; skip decoding records")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
@@ -77,3 +81,101 @@ def verify_main(argv=None):
         verdict = "OK" if rep.ok else f"{len(rep.problems)} problem(s)"
         print(f"{verdict}: {rep.shards_checked} shard(s) checksummed, {rep.samples_checked} sample(s) decoded")
     return 0 if rep.ok else 1
+
+
+def _when(t):
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime(t)) if t else "-"
+
+
+def ls_main(argv=None):
+    p = argparse.ArgumentParser(prog="kdcache ls",
+                                description="List the caches in a store (a directory or an fsspec URL): teacher, "
+                                            "dataset, k, size, completeness, dates, runs reading them.")
+    p.add_argument("store", help="store root, e.g. runs/store or s3://bucket/kd")
+    p.add_argument("--json", action="store_true", help="one JSON object per cache")
+    args = p.parse_args(argv)
+    try:
+        entries = list_caches(args.store)
+    except (CacheError, OSError) as e:
+        print(f"error: {args.store}: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        for e in entries:
+            m = e.manifest or {}
+            print(json.dumps({"name": e.name, "url": e.url, "state": e.state, "complete": e.complete,
+                              "fingerprint": m.get("fingerprint"), "meta": m.get("meta"), "top_k": m.get("top_k"),
+                              "backend": m.get("backend"), "counts": m.get("counts"), "updated": e.updated,
+                              "last_used": e.last_used, "readers": len(e.readers), "writing": e.writing,
+                              "error": e.error}, sort_keys=True))
+        return 0
+    if not entries:
+        print(f"{args.store}: no caches")
+        return 0
+    rows = [("NAME", "STATE", "TEACHER", "DATASET", "K", "BACKEND", "SAMPLES", "SIZE", "UPDATED", "LAST USED", "RUNS")]
+    for e in entries:
+        m = e.manifest or {}
+        meta = m.get("meta", {})
+        c = m.get("counts", {})
+        state = e.state + (" (writing)" if e.writing else "")
+        rows.append((e.name, state, str(meta.get("teacher", "-")), str(meta.get("dataset", "-")),
+                     str(m.get("top_k", "-")), m.get("backend", "-"), f"{c.get('samples', 0):,}",
+                     f"{c.get('bytes', 0) / 1e6:.1f} MB", _when(e.updated), _when(e.last_used),
+                     f"{len(e.readers)} reading" if e.readers else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def parse_age(text):
+    """'7d', '12h', '30m', '45s' -> seconds."""
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+    try:
+        return float(text[:-1]) * units[text[-1]]
+    except (KeyError, ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an age like 7d, 12h, 30m or 45s") from None
+
+
+def parse_date(text):
+    """'2026-11-01' or '2026-11-01T12:00' (UTC) -> unix seconds."""
+    for fmt in ("%Y-%m-%d", "%Y-%m-%dT%H:%M", "%Y-%m-%dT%H:%M:%S"):
+        try:
+            return float(calendar.timegm(time.strptime(text, fmt)))
+        except ValueError:
+            continue
+    raise argparse.ArgumentTypeError(f"{text!r} is not a date like 2026-11-01 or 2026-11-01T12:00 (UTC)")
+
+
+def gc_main(argv=None):
+    p = argparse.ArgumentParser(prog="kdcache gc",
+                                description="Remove incomplete caches idle for longer than an age, and caches not "
+                                            "used since a date. A cache that a run is writing or reading is never "
+                                            "removed.")
+    p.add_argument("store", help="store root, e.g. runs/store or s3://bucket/kd")
+    p.add_argument("--incomplete-older-than", type=parse_age, metavar="AGE",
+                   help="remove incomplete caches with no commit for AGE (7d, 12h, 30m, 45s)")
+    p.add_argument("--unused-since", type=parse_date, metavar="DATE",
+                   help="remove caches (complete or not) last read or written before DATE (UTC)")
+    p.add_argument("--unused-for", type=parse_age, metavar="AGE", help="same as --unused-since now minus AGE")
+    p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    args = p.parse_args(argv)
+    unused = args.unused_since
+    if args.unused_for is not None:
+        unused = time.time() - args.unused_for if unused is None else max(unused, time.time() - args.unused_for)
+    if args.incomplete_older_than is None and unused is None:
+        p.error("say what to remove: --incomplete-older-than AGE and/or --unused-since DATE / --unused-for AGE")
+    try:
+        plan = gc(args.store, incomplete_older_than=args.incomplete_older_than, unused_since=unused,
+                  dry_run=args.dry_run)
+    except (CacheError, OSError) as e:
+        print(f"error: {args.store}: {e}", file=sys.stderr)
+        return 2
+    for e, action, why in plan:
+        size = (e.manifest or {}).get("counts", {}).get("bytes", 0)
+        print(f"{action:<13} {e.name}  ({e.state}, {size / 1e6:.1f} MB): {why}")
+    removed = [e for e, a, _ in plan if a in ("removed", "would remove")]
+    freed = sum((e.manifest or {}).get("counts", {}).get("bytes", 0) for e in removed)
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"{verb} {len(removed)} cache(s), {freed / 1e6:.1f} MB; kept {len(plan) - len(removed)} matching "
+          "cache(s) in use")
+    return 0

@@ -6,8 +6,8 @@ import json
 import os
 import time
 
-from .atomic import atomic_write_bytes
 from .errors import ManifestError
+from .location import as_location
 
 FORMAT_NAME = "kdcache-logits"
 FORMAT_VERSION = 1
@@ -68,26 +68,31 @@ def recount(manifest):
     return manifest
 
 
-def save_manifest(directory, manifest):
+def save_manifest(where, manifest, *, exclusive=False, if_match=None):
+    """Write the manifest whole (temp + rename locally, one conditional PUT on S3). Returns its version tag."""
     data = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8") + b"\n"
-    atomic_write_bytes(os.path.join(directory, MANIFEST_NAME), data)
+    return as_location(where).write_bytes(MANIFEST_NAME, data, exclusive=exclusive, if_match=if_match)
 
 
-def load_manifest(directory):
-    path = os.path.join(directory, MANIFEST_NAME)
-    if not os.path.isfile(path):
-        raise ManifestError(f"{path}: no manifest; this is not a kdcache cache (or nothing was committed yet)")
+def load_manifest(where):
+    loc = as_location(where)
+    path = loc.path(MANIFEST_NAME)
     try:
-        with open(path, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
+        data = loc.read_bytes(MANIFEST_NAME)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise ManifestError(f"{path}: no manifest; this is not a kdcache cache (or nothing was committed yet)") \
+            from None
+    try:
+        manifest = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path}: not valid JSON ({e}); the manifest is damaged") from e
-    validate_manifest(manifest, directory)
+    validate_manifest(manifest, loc)
     return manifest
 
 
-def validate_manifest(m, directory):
-    path = os.path.join(directory, MANIFEST_NAME)
+def validate_manifest(m, where):
+    loc = as_location(where)
+    path = loc.path(MANIFEST_NAME)
     if not isinstance(m, dict):
         raise ManifestError(f"{path}: expected a JSON object, found {type(m).__name__}")
     if m.get("format") != FORMAT_NAME:
@@ -112,23 +117,32 @@ def validate_manifest(m, directory):
         if s["index"] in seen:
             raise ManifestError(f"{path}: shard index {s['index']} listed twice")
         seen.add(s["index"])
-        safe_shard_path(directory, s["path"])
+        check_shard_path(loc, s["path"])
+        if not loc.remote:
+            safe_shard_path(loc.url, s["path"])
+
+
+def check_shard_path(where, rel):
+    """Refuse shard paths that could leave the cache: absolute, '..', '.', empty parts, backslashes."""
+    at = as_location(where).path(MANIFEST_NAME)
+    if not isinstance(rel, str) or not rel:
+        raise ManifestError(f"{at}: shard path {rel!r} is not a non-empty string")
+    if rel.startswith("/") or "\\" in rel or os.path.isabs(rel) or "://" in rel:
+        raise ManifestError(f"{at}: shard path {rel!r} is absolute; only paths inside the cache are allowed")
+    if any(p in ("", ".", "..") for p in rel.split("/")):
+        raise ManifestError(f"{at}: shard path {rel!r} has empty, '.' or '..' parts; refused")
+    return rel
 
 
 def safe_shard_path(directory, rel):
-    """Resolve a manifest shard path, refusing anything that leaves the cache directory.
+    """Resolve a manifest shard path in a local cache, refusing anything that leaves the directory.
 
-    Absolute paths, '..' components and symbolic links are refused: a manifest
+    Besides the string rules of check_shard_path, symbolic links are refused: a manifest
     from elsewhere must not make a reader open files outside the cache.
     """
+    check_shard_path(directory, rel)
     where = os.path.join(directory, MANIFEST_NAME)
-    if not isinstance(rel, str) or not rel:
-        raise ManifestError(f"{where}: shard path {rel!r} is not a non-empty string")
-    if rel.startswith("/") or "\\" in rel or os.path.isabs(rel):
-        raise ManifestError(f"{where}: shard path {rel!r} is absolute; only paths inside the cache are allowed")
     parts = rel.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise ManifestError(f"{where}: shard path {rel!r} has empty, '.' or '..' parts; refused")
     full = os.path.join(directory, *parts)
     probe = directory
     for p in parts:

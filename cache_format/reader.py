@@ -1,10 +1,14 @@
-"""Reading a cache: `open_cache(path)` for either backend."""
+"""Reading a cache: `open_cache(path or URL)` for either backend, local or remote."""
 import bisect
 import os
+import time
 from collections import OrderedDict
 
 from .backends import READERS
-from .errors import ShardError
+from .errors import ManifestError, ShardError
+from .fingerprint import hash_tree
+from .lease import reader_lease
+from .location import as_location
 from .manifest import load_manifest, safe_shard_path
 
 OPEN_SHARDS = 4  # shard readers kept open for random access
@@ -15,11 +19,24 @@ class Cache:
 
     len(cache), cache[i] (global index over listed shards, in shard order),
     cache.iter_shard(j) (j-th listed shard), iter(cache), cache.manifest.
+    A remote cache (fsspec URL) is read through a bounded local directory of downloaded,
+    checksummed shards (fetch_bytes), filled ahead of the reader by `prefetch`.
+    track_use=True announces this reader with a lease (see lease.py) so `kdcache gc` leaves
+    the cache alone while it runs; close() withdraws it.
     """
 
-    def __init__(self, directory):
-        self.directory = str(directory)
-        self.manifest = load_manifest(self.directory)
+    def __init__(self, directory, *, track_use=False, fetch_bytes=None, fetch_dir=None):
+        self.location = as_location(directory)
+        self.directory = self.location.url
+        self._lease = None
+        if track_use:
+            load_manifest(self.location)      # not a cache: fail before leaving any trace in the directory
+            self._lease = reader_lease(self.location)
+        try:
+            self.manifest = self._load(retry=track_use)
+        except BaseException:
+            self.close()
+            raise
         self.shards = self.manifest["shards"]
         self.top_k = self.manifest["top_k"]
         self._reader_cls = READERS.get(self.manifest["backend"])
@@ -29,6 +46,22 @@ class Cache:
         for s in self.shards:
             self._starts.append(self._starts[-1] + s["num_samples"])
         self._open = OrderedDict()
+        self._fetcher = None
+        if self.location.remote:
+            from .fetch import ShardFetcher
+            self._fetcher = ShardFetcher(self.location, self.shards, max_bytes=fetch_bytes, directory=fetch_dir,
+                                         pinned=lambda: list(self._open))
+
+    def _load(self, retry):
+        # A reader that announced itself may catch `gc` between removing the manifest and
+        # putting it back on seeing this reader's lease: look again before giving up.
+        for attempt in range(3 if retry else 1):
+            try:
+                return load_manifest(self.location)
+            except ManifestError as e:
+                if "no manifest" not in str(e) or attempt == 2 or not retry:
+                    raise
+                time.sleep(1.0)
 
     def __len__(self):
         return self._starts[-1]
@@ -51,9 +84,7 @@ class Cache:
             self._open.move_to_end(j)
             return self._open[j]
         info = self.shards[j]
-        path = safe_shard_path(self.directory, info["path"])
-        if not os.path.exists(path):
-            raise ShardError(f"{path}: shard {info['index']} is listed in the manifest but missing")
+        path = self.local_path(j)
         reader = self._reader_cls(path, self.top_k)
         if len(reader) != info["num_samples"]:
             raise ShardError(f"{path}: holds {len(reader)} samples, the manifest says {info['num_samples']}")
@@ -61,6 +92,42 @@ class Cache:
         if len(self._open) > OPEN_SHARDS:
             self._open.popitem(last=False)
         return reader
+
+    def local_path(self, j):
+        """A local path of the j-th listed shard (downloaded and checksummed first if the cache is remote)."""
+        info = self.shards[j]
+        if self._fetcher is not None:
+            return self._fetcher.get(j)
+        path = safe_shard_path(self.directory, info["path"])
+        if not os.path.exists(path):
+            raise ShardError(f"{path}: shard {info['index']} is listed in the manifest but missing")
+        return path
+
+    def checked_path(self, j):
+        """local_path(j) after checking the shard's sha256 against the manifest (ShardError if it fails)."""
+        path = self.local_path(j)
+        if self._fetcher is None and hash_tree(path) != self.shards[j]["sha256"]:
+            raise ShardError(f"{path}: shard {self.shards[j]['index']} fails its sha256 checksum")
+        return path
+
+    def prefetch(self, js):
+        """Hint: these shard positions are read next (remote caches start downloading them)."""
+        if self._fetcher is not None:
+            self._fetcher.prefetch(js)
+
+    def close(self):
+        getattr(self, "_open", {}).clear()
+        if getattr(self, "_fetcher", None) is not None:
+            self._fetcher.close()
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def locate(self, i):
         """(shard position j, row within the shard) of global sample index i."""
@@ -81,5 +148,5 @@ class Cache:
             yield from self.iter_shard(j)
 
 
-def open_cache(path):
-    return Cache(path)
+def open_cache(path, **kwargs):
+    return Cache(path, **kwargs)

@@ -4,6 +4,8 @@ Returns a report instead of raising, so one damaged shard does not hide
 another; each problem names the shard file and the reason.
 """
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,7 +13,8 @@ import numpy as np
 from .backends import READERS
 from .errors import CacheError, RecordError
 from .fingerprint import hash_tree
-from .manifest import SHARD_DIR, load_manifest, safe_shard_path
+from .location import as_location
+from .manifest import SHARD_DIR, check_shard_path, load_manifest, safe_shard_path
 from .record import check_record
 
 MASS_TOL = {"float16": 2e-2, "float32": 1e-3}  # |sum(p_topk) + tail - 1| allowed after storage rounding
@@ -32,9 +35,10 @@ class Report:
 
 def verify_cache(directory, *, structure=True) -> Report:
     """Check checksums, sizes and counts; with structure=True also decode every record."""
-    rep = Report(str(directory))
+    loc = as_location(directory)
+    rep = Report(loc.url)
     try:
-        m = load_manifest(directory)
+        m = load_manifest(loc)
     except CacheError as e:
         rep.problems.append(("manifest.json", str(e)))
         return rep
@@ -44,23 +48,33 @@ def verify_cache(directory, *, structure=True) -> Report:
             rep.problems.append(("manifest.json", f"counts.{key} is {m['counts'][key]}, shards add up to {total}"))
     listed = set()
     seen_ids = set()
-    for info in m["shards"]:
-        listed.add(info["path"])
-        _verify_shard(directory, m, info, rep, seen_ids, structure)
-    _orphans(directory, listed, rep)
+    scratch = tempfile.mkdtemp(prefix="kdcache-verify-") if loc.remote else None
+    try:
+        for info in m["shards"]:
+            listed.add(info["path"])
+            _verify_shard(loc, m, info, rep, seen_ids, structure, scratch)
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    _orphans(loc, listed, rep)
     if not m["complete"]:
         rep.warnings.append(("manifest.json", f"incomplete: {len(m['shards'])} of "
                              f"{m['num_shards_planned']} planned shards committed"))
     return rep
 
 
-def _verify_shard(directory, m, info, rep, seen_ids, structure):
-    try:
-        path = safe_shard_path(directory, info["path"])
-    except CacheError as e:
-        rep.problems.append((info["path"], str(e)))
-        return
+def _verify_shard(loc, m, info, rep, seen_ids, structure, scratch):
     name = info["path"]
+    try:
+        check_shard_path(loc, name)
+        path = os.path.join(scratch, str(info["index"])) if loc.remote else safe_shard_path(loc.url, name)
+        if loc.remote:
+            loc.download(name, path)          # a remote shard is checked on a local copy
+    except CacheError as e:
+        rep.problems.append((name, str(e)))
+        return
+    except FileNotFoundError:
+        pass
     if not os.path.exists(path):
         rep.problems.append((name, "listed in the manifest but missing"))
         return
@@ -78,6 +92,8 @@ def _verify_shard(directory, m, info, rep, seen_ids, structure):
             _verify_records(path, m, info, rep, seen_ids)
         except CacheError as e:
             rep.problems.append((name, str(e)))
+    if loc.remote:
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
 
 
 def _verify_records(path, m, info, rep, seen_ids):
@@ -119,11 +135,8 @@ def _verify_records(path, m, info, rep, seen_ids):
             rep.problems.append((name, f"holds {got} {what}, the manifest says {info['num_' + what]}"))
 
 
-def _orphans(directory, listed, rep):
-    shard_dir = os.path.join(directory, SHARD_DIR)
-    if not os.path.isdir(shard_dir):
-        return
-    for entry in sorted(os.listdir(shard_dir)):
+def _orphans(loc, listed, rep):
+    for entry in loc.list(SHARD_DIR):
         rel = f"{SHARD_DIR}/{entry}"
         if rel not in listed:
             rep.warnings.append((rel, "not listed in the manifest: ignored by readers "

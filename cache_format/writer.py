@@ -5,11 +5,15 @@ workers; only the CacheWriter, which holds the directory lock, commits them to
 the manifest. Until committed, a shard file does not exist for readers.
 """
 import os
+import shutil
+import tempfile
 
 from .backends import DEFAULT_CODEC, get_backend
-from .errors import FingerprintError, ManifestError
+from .errors import FingerprintError, LockedError, ManifestError
 from .fingerprint import describe_diff, fingerprint
-from .lock import DirLock
+from .lease import Lease
+from .location import ConflictError, as_location
+from .lock import LOCK_NAME, DirLock
 from .manifest import (
     MANIFEST_NAME,
     SHARD_DIR,
@@ -32,9 +36,19 @@ def write_shard_file(directory, index, records, *, backend, top_k, vocab_size,
     mod = get_backend(backend)
     checked = [check_record(r, top_k, vocab_size) for r in records]
     rel = shard_name(index, mod.EXT)
-    os.makedirs(os.path.join(directory, SHARD_DIR), exist_ok=True)
-    size, digest = mod.write_shard(os.path.join(directory, rel), checked, top_k=top_k,
-                                   logprob_dtype=logprob_dtype, codec=codec or DEFAULT_CODEC[backend])
+    loc = as_location(directory)
+    kw = dict(top_k=top_k, logprob_dtype=logprob_dtype, codec=codec or DEFAULT_CODEC[backend])
+    if not loc.remote:
+        os.makedirs(os.path.join(loc.url, SHARD_DIR), exist_ok=True)
+        size, digest = mod.write_shard(loc.path(rel), checked, **kw)
+    else:      # write and checksum locally, then upload under the final name (visible once committed)
+        tmp = tempfile.mkdtemp(prefix="kdcache-shard-")
+        try:
+            local = os.path.join(tmp, rel.rsplit("/", 1)[-1])
+            size, digest = mod.write_shard(local, checked, **kw)
+            loc.upload(local, rel)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return {
         "index": int(index), "path": rel,
         "sample_start": int(sample_start), "sample_end": int(sample_end),
@@ -46,57 +60,93 @@ def write_shard_file(directory, index, records, *, backend, top_k, vocab_size,
     }
 
 
+def cache_fingerprint(fingerprint_parts, *, backend, top_k, logprob_dtype="float16", codec=None):
+    """(fingerprint, parts): the job's parts plus the storage format, as recorded in the manifest."""
+    parts = dict(fingerprint_parts)
+    parts["format"] = {"backend": backend, "top_k": int(top_k), "logprob_dtype": logprob_dtype,
+                       "codec": codec or DEFAULT_CODEC[backend]}
+    return fingerprint(parts), parts
+
+
+def _refuse_other_inputs(where, old, fp, parts):
+    if old["fingerprint"] != fp:
+        differ = describe_diff(old.get("fingerprint_parts", {}), parts)
+        raise FingerprintError(
+            f"{where} already holds a cache made from different inputs "
+            f"(differs in: {'; '.join(differ) or 'unknown parts'}). "
+            "Use a new --out directory, or delete this one to start over.")
+
+
+def existing_manifest(where, fp, parts):
+    """The manifest at `where` if a cache of these inputs is there, None if nothing was committed;
+    FingerprintError naming the differing parts if it holds a cache of other inputs."""
+    loc = as_location(where)
+    if not loc.exists(MANIFEST_NAME):
+        return None
+    m = load_manifest(loc)
+    _refuse_other_inputs(loc.url, m, fp, parts)
+    return m
+
+
 class CacheWriter:
-    """Owns a cache directory for one job: holds the lock, creates or resumes the manifest.
+    """Owns a cache directory (or URL) for one job: holds the lock, creates or resumes the manifest.
 
     Resuming checks the fingerprint: a directory made from a different teacher,
     tokenizer, dataset or setting is refused with the differing parts named.
+    Locally the lock is a flock; on an object store it is a lease object created with a
+    conditional put, and every manifest write is conditional on the version this writer
+    wrote last, so a second writer can never silently replace it.
     """
 
     def __init__(self, directory, *, backend, top_k, vocab_size, eos_token_ids, fingerprint_parts,
                  num_shards_planned, logprob_dtype="float16", codec=None, meta=None):
-        self.directory = str(directory)
+        self.location = as_location(directory)
+        self.directory = self.location.url
         self.backend, self.top_k, self.vocab_size = backend, int(top_k), int(vocab_size)
         self.logprob_dtype, self.codec = logprob_dtype, codec or DEFAULT_CODEC[backend]
         get_backend(backend)
-        parts = dict(fingerprint_parts)
-        parts["format"] = {"backend": backend, "top_k": self.top_k, "logprob_dtype": logprob_dtype,
-                           "codec": self.codec}
+        fp, parts = cache_fingerprint(fingerprint_parts, backend=backend, top_k=top_k,
+                                      logprob_dtype=logprob_dtype, codec=self.codec)
         self._init = dict(backend=backend, top_k=top_k, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
-                          fingerprint=fingerprint(parts), fingerprint_parts=parts,
+                          fingerprint=fp, fingerprint_parts=parts,
                           num_shards_planned=num_shards_planned, logprob_dtype=logprob_dtype, meta=meta)
-        self._lock = DirLock(self.directory)
+        self._lock = (Lease(self.location, LOCK_NAME, exclusive=True) if self.location.remote
+                      else DirLock(self.directory))
+        self._etag = None
         self.manifest = None
         self.resumed = False
 
     def open(self):
-        os.makedirs(self.directory, exist_ok=True)
+        if not self.location.remote:
+            os.makedirs(self.directory, exist_ok=True)
         self._lock.acquire()
         try:
-            if os.path.exists(os.path.join(self.directory, MANIFEST_NAME)):
-                self.manifest = load_manifest(self.directory)
+            self._sweep_temp_files()
+            if self.location.exists(MANIFEST_NAME):
+                self.manifest = load_manifest(self.location)
                 self._check_same(self.manifest)
+                self._etag = self.location.etag(MANIFEST_NAME)
                 self.resumed = True
             else:
                 self.manifest = new_manifest(**self._init)
-                save_manifest(self.directory, self.manifest)
+                self._save(exclusive=self.location.remote)
         except BaseException:
             self._lock.release()
             raise
         return self
 
+    def _sweep_temp_files(self):
+        """Remove temp files of shards whose writer was killed mid-write (we hold the lock: none is running)."""
+        for name in self.location.list(SHARD_DIR):
+            if name.startswith(".") and ".tmp-" in name:
+                self.location.remove(f"{SHARD_DIR}/{name}")
+
     def _check_same(self, old):
         new = self._init
-        if old["fingerprint"] == new["fingerprint"]:
-            if old["num_shards_planned"] != new["num_shards_planned"]:
-                raise ManifestError(f"{self.directory}: planned {old['num_shards_planned']} shards before, "
-                                    f"{new['num_shards_planned']} now, with the same fingerprint")
-            return
-        differ = describe_diff(old.get("fingerprint_parts", {}), new["fingerprint_parts"])
-        raise FingerprintError(
-            f"{self.directory} already holds a cache made from different inputs "
-            f"(differs in: {'; '.join(differ) or 'unknown parts'}). "
-            "Use a new --out directory, or delete this one to start over.")
+        _refuse_other_inputs(self.directory, old, new["fingerprint"], new["fingerprint_parts"])
+        if old["num_shards_planned"] != new["num_shards_planned"]:
+            raise ManifestError(f"{self.directory}: planned {old['num_shards_planned']} shards before, "
+                                f"{new['num_shards_planned']} now, with the same fingerprint")
 
     def done_indices(self):
         return {s["index"] for s in self.manifest["shards"]}
@@ -118,7 +168,17 @@ class CacheWriter:
                                 f"[0, {self.manifest['num_shards_planned']})")
         self.manifest["shards"].append(info)
         recount(self.manifest)
-        save_manifest(self.directory, self.manifest)
+        self._save()
+
+    def _save(self, exclusive=False):
+        if isinstance(self._lock, Lease):
+            self._lock.check()
+        try:
+            self._etag = save_manifest(self.location, self.manifest, exclusive=exclusive,
+                                       if_match=None if exclusive else self._etag)
+        except ConflictError as e:
+            raise LockedError(f"{self.location.path(MANIFEST_NAME)} was written by another process while this "
+                              f"job held the cache ({e}); stopping without committing more") from e
 
     def close(self):
         self._lock.release()

@@ -11,6 +11,8 @@ COMMANDS = {
     "eval": ("train.eval", "main", "compare teacher and students on held-out prompts; writes report.md"),
     "inspect": ("cache_format.cli", "inspect_main", "summarize a logit cache"),
     "verify": ("cache_format.cli", "verify_main", "check every checksum and invariant of a cache"),
+    "ls": ("cache_format.cli", "ls_main", "list the caches in a store (directory or s3://, gs://, ... URL)"),
+    "gc": ("cache_format.cli", "gc_main", "remove incomplete or unused caches from a store (never ones in use)"),
 }
 
 

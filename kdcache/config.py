@@ -144,7 +144,11 @@ def to_dict(cfg):
     return dataclasses.asdict(cfg)
 
 
+def dumps(cfg):
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
 def dump(cfg, path):
     """Save the resolved config next to an output (atomic, so a crash leaves no half file)."""
     from cache_format.atomic import atomic_write_bytes
-    atomic_write_bytes(path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
+    atomic_write_bytes(path, dumps(cfg).encode())

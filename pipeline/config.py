@@ -8,7 +8,11 @@ from kdcache.config import field, validate
 class PrecomputeConfig:
     teacher: str = field("", "teacher model directory (weights, config, tokenizer)")
     data: str = field("", "dataset: .jsonl, .parquet, or a datasets save_to_disk directory")
-    out: str = field("", "cache directory to write (resumed if it holds the same job)")
+    out: str = field("", "cache directory or URL (s3://, gs://, ...) to write, resumed if it holds the same job; "
+                         "or a store root (see --store)")
+    store: bool = field(False, "treat --out as a store root: the cache goes to OUT/<alias>--<fingerprint>, and a "
+                               "later run with the same inputs finds and reuses it (on by itself if OUT is a store)")
+    alias: str | None = field(None, "store: readable name of a new cache (default: teacher-dataset-k<top_k>)")
     tokenizer: str | None = field(None, "tokenizer directory (default: the teacher's)")
     top_k: int = field(64, "teacher log-probs kept per position")
     backend: str = field("auto", "teacher backend: vllm, hf, or auto (vllm if importable)",

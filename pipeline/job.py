@@ -1,19 +1,25 @@
 """The precompute driver: plan shards, fingerprint, run teacher workers on Ray, commit, report.
 
-Read top to bottom: scan the dataset -> fingerprint -> open (or resume) the
-cache -> start Ray workers -> stream shards through them with bounded
-in-flight work -> commit each finished shard -> summary.
+Read top to bottom: fingerprint -> find the cache (reuse it if complete) -> scan
+the dataset -> open (or resume) the cache -> start Ray workers -> stream shards
+through them with bounded in-flight work -> commit each finished shard -> summary.
+The cache may be a local directory or an fsspec URL, or be placed in a store.
 """
 import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections import Counter
+from dataclasses import replace
 
 from cache_format import CacheError, CacheWriter, hash_json, hash_tree
-from cache_format.atomic import atomic_write_bytes
+from cache_format.location import Location
+from cache_format.store import is_store
+from cache_format.store import resolve as resolve_in_store
 from cache_format.tokenizer_id import tokenizer_identity
+from cache_format.writer import cache_fingerprint, existing_manifest
 
 from .data import BadRecord, DataError, iter_records, parse_record
 from .encode import Encoder, Skip, end_of_turn_ids
@@ -152,28 +158,64 @@ def start_ray(cfg):
 
 def run_precompute(cfg):
     t_start = time.time()
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.teacher, trust_remote_code=cfg.trust_remote_code)
     extra = [tok.convert_tokens_to_ids(t) for t in cfg.eos_tokens]
     eos_ids = end_of_turn_ids(tok, extra)
     encoder = Encoder(tok, template=cfg.template, max_length=cfg.max_length, overlong=cfg.overlong,
                       eos_ids=eos_ids, mode=cfg.mode, drop_end_of_turn=cfg.drop_end_of_turn)
-
     if cfg.drop_end_of_turn:
         print("WARNING: --drop-end-of-turn leaves out every end-of-turn position (the bug kdcache exists to "
               "prevent); a student trained on this cache will not learn to stop.", file=sys.stderr)
-    created = not os.path.exists(cfg.out)
-    spool = Spool(cfg.out)
+
+    # Everything the cache depends on is known before reading the dataset: fingerprint first, so a
+    # finished cache (here or in a store) is found and reused without a teacher or even a tokenizer pass.
+    backend = resolve_backend(cfg)
+    gpus = worker_gpus(cfg)
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if gpus > 0 else "float32")
+    vocab_size = AutoConfig.from_pretrained(cfg.teacher, trust_remote_code=cfg.trust_remote_code).vocab_size
+    tok_id = tokenizer_identity(tok)
+    parts = fingerprint_parts(cfg, tok_id, eos_ids, backend, dtype)
+    fp, full_parts = cache_fingerprint(parts, backend=cfg.format, top_k=cfg.top_k, logprob_dtype=cfg.logprob_dtype,
+                                       codec=cfg.codec)
+    cfg = replace(cfg, out=cache_location(cfg, fp))
+    done = existing_manifest(cfg.out, fp, full_parts)
+    if done is not None and done["complete"]:
+        print(f"{cfg.out}: a complete cache of these inputs exists (fingerprint {fp[:16]}); reusing it: "
+              "nothing to do, no teacher work.")
+        return _reused_summary(cfg, done, t_start)
+
+    out = Location(cfg.out)
+    created = not out.remote and not os.path.exists(cfg.out)
+    spool = Spool(cfg.out if not out.remote else tempfile.gettempdir())
     try:
-        return _job(cfg, t_start, tok, eos_ids, encoder, spool)
+        return _job(cfg, t_start, tok_id, eos_ids, encoder, spool, backend, gpus, dtype, vocab_size, parts)
     finally:
         spool.delete()
         if created and os.path.isdir(cfg.out) and not os.listdir(cfg.out):
             os.rmdir(cfg.out)              # a job refused before writing anything leaves nothing behind
 
 
-def _job(cfg, t_start, tok, eos_ids, encoder, spool):
-    from transformers import AutoConfig
+def default_alias(cfg):
+    data = os.path.basename(cfg.data.rstrip("/")).split(".")[0]
+    teacher = os.path.basename(os.path.abspath(cfg.teacher))
+    return f"{teacher}-{data}-k{cfg.top_k}" + ("-gen" if cfg.mode == "generate" else "")
+
+
+def cache_location(cfg, fp):
+    """The cache directory: --out itself, or, when --out is a store root, the store's cache for fingerprint fp."""
+    if not (cfg.store or is_store(cfg.out)):
+        return cfg.out
+    if Location(cfg.out).exists("manifest.json"):
+        raise CacheError(f"{cfg.out} is a cache, not a store root: drop --store to resume it, or name another "
+                         "directory as the store")
+    where, found = resolve_in_store(cfg.out, fp, cfg.alias or default_alias(cfg))
+    print(f"store {cfg.out}: " + (f"found the cache of these inputs: {where}" if found
+                                  else f"no cache of these inputs yet; writing {where}"))
+    return where
+
+
+def _job(cfg, t_start, tok_id, eos_ids, encoder, spool, backend, gpus, dtype, vocab_size, parts):
     n_records, skipped = scan(cfg, encoder, spool)
     bad = [s for s in skipped if s["reason"] == "bad_record"]
     if bad and cfg.on_bad_record == "fail":
@@ -181,13 +223,6 @@ def _job(cfg, t_start, tok, eos_ids, encoder, spool):
         raise DataError(f"{first['where']}: {first['message']} ({len(bad)} malformed record(s) in all; "
                         "fix them, or pass --on-bad-record skip to skip and list them)")
     n_units = max(1, -(-n_records // cfg.shard_size))
-
-    backend = resolve_backend(cfg)
-    gpus = worker_gpus(cfg)
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if gpus > 0 else "float32")
-    vocab_size = AutoConfig.from_pretrained(cfg.teacher, trust_remote_code=cfg.trust_remote_code).vocab_size
-    tok_id = tokenizer_identity(tok)
-    parts = fingerprint_parts(cfg, tok_id, eos_ids, backend, dtype)
     meta = {"teacher": os.path.basename(os.path.abspath(cfg.teacher)), "dataset": os.path.basename(cfg.data),
             "mode": cfg.mode, "teacher_backend": backend, "dtype": dtype, "tokenizer": tok_id,
             "records": n_records, "skipped": dict(Counter(s["reason"] for s in skipped))}
@@ -195,7 +230,8 @@ def _job(cfg, t_start, tok, eos_ids, encoder, spool):
                          eos_token_ids=eos_ids, fingerprint_parts=parts, num_shards_planned=n_units,
                          logprob_dtype=cfg.logprob_dtype, codec=cfg.codec, meta=meta)
     with writer:
-        spool.remove_stale()              # left by a job killed before it could clean up; we hold the lock now
+        if not writer.location.remote:
+            spool.remove_stale()          # left by a job killed before it could clean up; we hold the lock now
         _save_reports(cfg, skipped)
         todo = set(range(n_units)) - writer.done_indices()
         at_start = len(writer.manifest["shards"])
@@ -224,7 +260,11 @@ def _run_units(cfg, ray, gpus, writer, spool, todo, backend, dtype, vocab_size, 
                         logprob_dtype=cfg.logprob_dtype, codec=writer.codec)
     gen_kwargs = dict(max_new_tokens=cfg.gen_max_new_tokens, temperature=cfg.gen_temperature, top_p=cfg.gen_top_p,
                       seed=cfg.seed, eos_ids=eos_ids, max_length=cfg.max_length)
-    Actor = ray.remote(TeacherWorker).options(num_cpus=cfg.worker_cpus, num_gpus=gpus)
+    opts = dict(num_cpus=cfg.worker_cpus, num_gpus=gpus)
+    creds = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_", "FSSPEC_"))}
+    if cfg.ray_address and writer.location.remote and creds:
+        opts["runtime_env"] = {"env_vars": creds}     # workers on other machines write to the same store
+    Actor = ray.remote(TeacherWorker).options(**opts)
     workers = [Actor.remote(backend, cfg.teacher, teacher_kwargs, cache_kwargs, gen_kwargs, cfg.mode)
                for _ in range(min(cfg.workers, len(todo)))]
     ray.get([w.ready.remote() for w in workers])
@@ -242,7 +282,7 @@ def _run_units(cfg, ray, gpus, writer, spool, todo, backend, dtype, vocab_size, 
                     break
                 j, items = nxt
                 w = free.pop(0)
-                unit = {"directory": os.path.abspath(cfg.out), "index": j, "items": items,
+                unit = {"directory": writer.directory, "index": j, "items": items,
                         "sample_start": j * cfg.shard_size, "sample_end": min((j + 1) * cfg.shard_size, n_records)}
                 pending[w.run.remote(unit)] = (w, j)
             if not pending:
@@ -284,12 +324,11 @@ def _progress(cfg, total, initial):
 
 
 def _save_reports(cfg, skipped):
-    d = os.path.join(cfg.out, REPORT_DIR)
-    os.makedirs(d, exist_ok=True)
+    out = Location(cfg.out)
     lines = "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in skipped)
-    atomic_write_bytes(os.path.join(d, "skipped.jsonl"), lines.encode("utf-8"))
-    from kdcache.config import dump
-    dump(cfg, os.path.join(d, "precompute.yaml"))
+    out.write_bytes(f"{REPORT_DIR}/skipped.jsonl", lines.encode("utf-8"))
+    from kdcache.config import dumps
+    out.write_bytes(f"{REPORT_DIR}/precompute.yaml", dumps(cfg).encode("utf-8"))
 
 
 def _summary(cfg, writer, skipped, t_start, run_tokens, teacher_s, shards_at_start, loop_s=0.0):
@@ -310,9 +349,20 @@ def _summary(cfg, writer, skipped, t_start, run_tokens, teacher_s, shards_at_sta
         "loop_s": round(loop_s, 2),       # first shard submitted -> last shard committed (startup excluded)
         "loop_tok_s": round(run_tokens / loop_s, 1) if loop_s else None,
     }
-    atomic_write_bytes(os.path.join(cfg.out, REPORT_DIR, "summary.json"),
-                       json.dumps(summary, indent=1).encode())
+    Location(cfg.out).write_bytes(f"{REPORT_DIR}/summary.json", json.dumps(summary, indent=1).encode())
     _print_summary(summary, skipped)
+    return summary
+
+
+def _reused_summary(cfg, m, t_start):
+    c = m["counts"]
+    summary = {"cache": cfg.out, "complete": True, "reused": True, "shards": f"{len(m['shards'])}/{len(m['shards'])}",
+               "shards_this_run": 0, "records": m["meta"].get("records"), "samples_written": c["samples"],
+               "skipped": m["meta"].get("skipped", {}), "tokens": c["tokens"], "positions": c["positions"],
+               "bytes": c["bytes"], "wall_s": round(time.time() - t_start, 1), "tokens_this_run": 0,
+               "teacher_s": 0.0, "resumed": False}
+    print(f"\nprecompute summary\n  {'cache':<16} {cfg.out} (complete, reused)\n"
+          f"  {'samples':<16} {c['samples']:,}\n  {'teacher work':<16} none")
     return summary
 
 

@@ -29,3 +29,29 @@ def write_jsonl(path, rows):
         for r in rows:
             f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3-compatible server (moto) on 127.0.0.1 for the whole session; this process and its children
+    (Ray workers, trainers) reach it through AWS_ENDPOINT_URL. Tests make their own buckets."""
+    from tests.helpers.s3server import S3Server
+    server = S3Server().start()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    yield server
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def bucket(s3, request):
+    """A fresh bucket: s3://<name>."""
+    import re
+    import uuid
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:6]
+    return s3.make_bucket(name)

@@ -6,15 +6,13 @@ most `prefetch` decoded shards in memory, never the whole cache. The stream's
 position (epoch, shard cursor, row cursor) after each batch is part of every
 checkpoint, so a resumed run continues with exactly the next samples.
 """
-import os
 import queue
 import threading
 
 import numpy as np
 import torch
 
-from cache_format import CacheError, ShardError, hash_tree, open_cache
-from cache_format.manifest import safe_shard_path
+from cache_format import CacheError, ShardError, open_cache
 
 
 class DataStateError(CacheError):
@@ -23,8 +21,8 @@ class DataStateError(CacheError):
 
 class CacheStream:
     def __init__(self, cache_dir, *, rank=0, world=1, seed=0, shuffle=True, batch_size=8, max_tokens=0,
-                 prefetch=2, epochs=None, skip_damaged=False):
-        self.cache = open_cache(cache_dir)
+                 prefetch=2, epochs=None, skip_damaged=False, track_use=False, readahead=4):
+        self.cache = open_cache(cache_dir, track_use=track_use)
         if self.cache.num_shards < world:
             raise DataStateError(f"{cache_dir}: {self.cache.num_shards} shard(s) cannot feed {world} ranks; "
                                  "each rank reads whole shards. Precompute with a smaller --shard-size.")
@@ -32,6 +30,7 @@ class CacheStream:
         self.batch_size, self.max_tokens, self.prefetch, self.epochs = batch_size, max_tokens, prefetch, epochs
         self.state = {"epoch": 0, "shard_cursor": 0, "row_cursor": 0}
         self.skip_damaged = skip_damaged
+        self.readahead = readahead   # shards a remote cache downloads ahead of the decoder
         self.damaged = {}          # shard path -> samples skipped because its checksum failed
         self._verified = set()
 
@@ -66,6 +65,10 @@ class CacheStream:
             while self.epochs is None or epoch < self.epochs:
                 plan = self.shards_for(epoch)
                 for c in range(cursor, len(plan)):
+                    ahead = plan[c:c + 1 + self.readahead]
+                    if c + 1 + self.readahead > len(plan):   # the next epoch's first shards
+                        ahead += self.shards_for(epoch + 1)[:c + 1 + self.readahead - len(plan)]
+                    self.cache.prefetch(ahead)
                     if not self._sound(plan[c]):
                         out.put(("damaged", epoch, c, len(plan), []))
                         continue
@@ -81,16 +84,20 @@ class CacheStream:
         if j in self._verified:
             return True
         info = self.cache.shards[j]
-        path = safe_shard_path(self.cache.directory, info["path"])
-        if os.path.exists(path) and hash_tree(path) == info["sha256"]:
+        try:
+            self.cache.checked_path(j)
             self._verified.add(j)
             return True
-        if not self.skip_damaged:
-            raise ShardError(f"{path}: shard {info['index']} is missing or fails its sha256 checksum "
-                             f"({info['num_samples']} samples). Run `kdcache verify {self.cache.directory}`; "
-                             "pass --skip-damaged-shards to train on the rest.")
+        except ShardError as e:
+            if not self.skip_damaged:
+                raise ShardError(f"{e} ({info['num_samples']} samples). Run `kdcache verify {self.cache.directory}`; "
+                                 "pass --skip-damaged-shards to train on the rest.") from e
         self.damaged[info["path"]] = info["num_samples"]
         return False
+
+    def close(self):
+        """Release the cache (its reader lease, downloaded shards). The stream cannot be read afterwards."""
+        self.cache.close()
 
     def samples(self):
         """Yield (record, state after it) from the saved position onward."""

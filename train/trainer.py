@@ -95,7 +95,8 @@ def train(cfg):
     os.makedirs(cfg.out, exist_ok=True)
     stream = CacheStream(cfg.cache, rank=rank, world=world, seed=cfg.seed, shuffle=cfg.shuffle,
                          batch_size=cfg.batch_size, max_tokens=0 if cfg.pack else cfg.max_tokens, prefetch=cfg.prefetch,
-                         epochs=None if cfg.max_steps else cfg.epochs, skip_damaged=cfg.skip_damaged_shards)
+                         epochs=None if cfg.max_steps else cfg.epochs, skip_damaged=cfg.skip_damaged_shards,
+                         track_use=True)   # a lease on the cache: `kdcache gc` keeps it while this run reads
     tok = load_tokenizer(cfg)
     check_tokenizer(tok, stream.cache.manifest, cfg.cache)
     model = load_student(cfg.student, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
@@ -196,6 +197,7 @@ def train(cfg):
     if not checkpoint.complete_checkpoints(cfg.out) or checkpoint.complete_checkpoints(cfg.out)[-1][0] != step:
         _save(engine, cfg, step, rank, world, stream, dist)
     metrics.close()
+    stream.close()
     if reason.startswith("stopped"):
         if rank == 0:
             print(f"\n{reason} at step {step}; checkpoint saved. Resume with:\n  {resume_cmd}", flush=True)

@@ -227,3 +227,12 @@ def test_failed_shard_write_leaves_no_partial_file(tmp_path, monkeypatch, backen
     assert calls["n"] == 2
     assert os.listdir(tmp_path / "shards") == []
     assert open_cache(tmp_path).num_shards == 0
+
+
+def test_writer_sweeps_temp_files_of_killed_writers(tmp_path):
+    d = tmp_path / "c"
+    write_cache(d, make_records(8, seed=2), shard_size=4, **writer_kwargs("arrow"))
+    stale = d / "shards" / ".shard-00001.arrow.tmp-4242-deadbeef"
+    stale.write_bytes(b"half a shard")
+    CacheWriter(d, num_shards_planned=2, **writer_kwargs("arrow")).open().close()
+    assert not stale.exists() and len(open_cache(d)) == 8

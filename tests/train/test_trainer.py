@@ -67,21 +67,44 @@ def test_training_lowers_the_distillation_loss_and_saves_a_loadable_student(setu
     assert ckpts == ["step-00000020", "step-00000030"]          # keep_checkpoints=2
 
 
-def test_loss_is_normalised_over_all_positions_of_the_accumulation_window(setup, tmp_path):
+BASE = ("--max-steps", 3, "--batch-size", 4, "--no-shuffle", "--save-every", 0)
+
+
+@pytest.fixture(scope="module")
+def base_run(setup):
+    """Three steps of batch 4 in cache order: the reference other runs must reproduce."""
+    out = setup["dir"] / "base"
+    res = run(train_cmd(setup, out, *BASE))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def test_loss_is_normalised_over_all_positions_of_the_accumulation_window(setup, base_run, tmp_path):
     """batch 4 x accum 1 and batch 1 x accum 4 see the same samples: same losses, same updates."""
-    a = run(train_cmd(setup, tmp_path / "a", "--max-steps", 3, "--batch-size", 4, "--no-shuffle", "--save-every", 0))
     b = run(train_cmd(setup, tmp_path / "b", "--max-steps", 3, "--batch-size", 1, "--grad-accum", 4, "--no-shuffle",
                       "--save-every", 0))
     # ... and packing the same 4 samples into rows of up to 256 tokens changes nothing either.
     c = run(train_cmd(setup, tmp_path / "c", "--max-steps", 3, "--batch-size", 4, "--no-shuffle", "--save-every", 0,
                       "--pack", "--max-tokens", 256))
-    assert a.returncode == 0 and b.returncode == 0 and c.returncode == 0, (a.stderr[-2000:], c.stderr[-2000:])
-    la, lb, lc = losses(tmp_path / "a"), losses(tmp_path / "b"), losses(tmp_path / "c")
+    assert b.returncode == 0 and c.returncode == 0, (b.stderr[-2000:], c.stderr[-2000:])
+    la, lb, lc = losses(base_run), losses(tmp_path / "b"), losses(tmp_path / "c")
     assert len(la) == len(lb) == len(lc) == 3
     for x, y, z in zip(la, lb, lc):
         assert x["positions"] == y["positions"] == z["positions"]
         assert abs(x["loss"] - y["loss"]) < 1e-5 * max(1.0, abs(x["loss"])), (x, y)
         assert abs(x["loss"] - z["loss"]) < 1e-5 * max(1.0, abs(x["loss"])), (x, z)
+
+
+def test_training_from_s3_equals_training_from_local_disk(setup, base_run, tmp_path, bucket):
+    """The same cache on an S3-compatible server: streamed through the local shard directory, the same losses."""
+    from cache_format.lease import live_readers
+    from cache_format.location import Location
+    from tests.helpers.s3server import upload_dir
+    url = upload_dir(setup["cache"], f"{bucket}/cache")
+    remote = run(train_cmd(dict(setup, cache=url), tmp_path / "remote", *BASE))
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    assert [r["loss"] for r in losses(base_run)] == [r["loss"] for r in losses(tmp_path / "remote")]
+    assert live_readers(Location(url)) == [] and Location(url).exists(".last_used.json")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])

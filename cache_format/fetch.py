@@ -1,0 +1,98 @@
+"""Remote shards on local disk: a bounded LRU directory, filled ahead of the reader, checksummed on arrival.
+
+One per reading process (a temporary directory removed when the reader goes away), so many
+readers of one remote cache never coordinate. A shard is downloaded whole (beside its final
+name, then renamed), its sha256 checked against the manifest, then opened like a local one.
+"""
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+from .errors import ShardError
+from .fingerprint import hash_tree
+
+DEFAULT_BYTES = int(float(os.environ.get("KDCACHE_FETCH_BYTES", 8 * 2**30)))
+RETRIES = 3
+
+
+class ShardFetcher:
+    def __init__(self, loc, shards, *, directory=None, max_bytes=None, workers=4, pinned=None):
+        self.loc, self.shards = loc, shards
+        self.max_bytes = int(max_bytes or DEFAULT_BYTES)
+        self.dir = tempfile.mkdtemp(prefix="kdcache-shards-", dir=directory)
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kdcache-fetch")
+        self._futures = {}                 # j -> Future of the local path
+        self._present = OrderedDict()      # j -> bytes on disk, least recently used first
+        self._lock = threading.Lock()
+        self._pinned = pinned or (lambda: ())
+        self.downloaded_bytes = 0
+
+    def prefetch(self, js):
+        """Start downloading these shard positions in the background (no-op for ones already here)."""
+        with self._lock:
+            for j in js:
+                f = self._futures.get(j)
+                if f is None or (f.done() and f.exception() is not None):
+                    self._futures[j] = self._pool.submit(self._download, j)
+
+    def get(self, j):
+        """Local path of shard position j, downloading it now if it is not here yet."""
+        self.prefetch([j])
+        path = self._futures[j].result()
+        with self._lock:
+            if j in self._present:
+                self._present.move_to_end(j)
+            self._evict(keep=j)
+        return path
+
+    def _download(self, j):
+        info = self.shards[j]
+        local = os.path.join(self.dir, *info["path"].split("/"))
+        for attempt in range(RETRIES):
+            try:
+                self.loc.download(info["path"], local)
+                break
+            except FileNotFoundError:
+                raise ShardError(f"{self.loc.path(info['path'])}: shard {info['index']} is listed in the manifest "
+                                 "but missing") from None
+            except OSError as e:
+                if attempt + 1 == RETRIES:
+                    raise ShardError(f"{self.loc.path(info['path'])}: download failed ({e})") from e
+                time.sleep(0.5 * 2 ** attempt)
+        if hash_tree(local) != info["sha256"]:
+            shutil.rmtree(local, ignore_errors=True) if os.path.isdir(local) else os.remove(local)
+            raise ShardError(f"{self.loc.path(info['path'])}: shard {info['index']} fails its sha256 checksum "
+                             "(the stored bytes changed after it was committed)")
+        with self._lock:
+            self._present[j] = info["bytes"]
+            self.downloaded_bytes += info["bytes"]
+        return local
+
+    def _evict(self, keep):
+        """Drop least recently used shards until under budget; never `keep`, pinned or in-flight ones."""
+        total = sum(self._present.values())
+        busy = set(self._pinned()) | {keep} | {j for j, f in self._futures.items() if not f.done()}
+        for j in list(self._present):
+            if total <= self.max_bytes:
+                break
+            if j in busy:
+                continue
+            total -= self._present.pop(j)
+            self._futures.pop(j, None)
+            path = os.path.join(self.dir, *self.shards[j]["path"].split("/"))
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+
+    @property
+    def bytes_on_disk(self):
+        with self._lock:
+            return sum(self._present.values())
+
+    def close(self):
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._cleanup()

@@ -1,0 +1,153 @@
+"""Leases: who is writing or reading a cache, on storage that has no flock.
+
+A lease is a small JSON object {owner, host, pid, started, expires} renewed by a heartbeat
+thread. It is live while `expires` is in the future, unless it names this host and a process
+that no longer exists: a kill -9 frees it at once on the same machine, and after the TTL
+anywhere else. Writers hold an exclusive lease (`.writer.lock`, created with a conditional
+put) on object stores; every reading run holds a shared one (`.readers/<id>.json`), so `gc`
+can see that a cache is in use without readers coordinating with each other.
+"""
+import os
+import socket
+import threading
+import time
+import uuid
+
+from .errors import LockedError
+from .location import ConflictError
+
+TTL = float(os.environ.get("KDCACHE_LEASE_TTL", "120"))
+READERS_DIR = ".readers"
+LAST_USED = ".last_used.json"
+
+
+def pid_alive(pid):
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError):
+        return True
+    return True
+
+
+def is_live(info, now=None):
+    """True while the lease's holder may still be running."""
+    now = time.time() if now is None else now
+    if not isinstance(info, dict) or float(info.get("expires", 0)) <= now:
+        return False
+    if info.get("host") == socket.gethostname() and not pid_alive(info.get("pid")):
+        return False
+    return True
+
+
+def describe(info, now=None):
+    now = time.time() if now is None else now
+    return (f"pid {info.get('pid')} on {info.get('host')}, lease expires in "
+            f"{max(0.0, float(info.get('expires', 0)) - now):.0f} s")
+
+
+class Lease:
+    """An exclusive (writer) or shared (reader) lease object at `rel` in a Location."""
+
+    def __init__(self, loc, rel, *, exclusive, ttl=None):
+        self.loc, self.rel, self.exclusive = loc, rel, exclusive
+        self.ttl = float(ttl or TTL)
+        self.owner = uuid.uuid4().hex
+        self.started = time.time()
+        self.lost = False
+        self._etag = None
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _body(self):
+        return {"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
+                "started": self.started, "expires": time.time() + self.ttl}
+
+    def acquire(self):
+        if not self.exclusive:
+            self.loc.write_json(self.rel, self._body())
+        else:
+            self._acquire_exclusive()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name=f"lease {self.rel}")
+        self._thread.start()
+        return self
+
+    def _acquire_exclusive(self):
+        where = self.loc.path(self.rel)
+        for _ in range(5):
+            try:
+                self._etag = self.loc.write_json(self.rel, self._body(), exclusive=True)
+                return
+            except ConflictError:
+                pass
+            try:
+                held, etag = self.loc.read_json(self.rel), self.loc.etag(self.rel)
+            except FileNotFoundError:
+                continue
+            if is_live(held):
+                raise LockedError(f"{where}: the cache is being written by another process ({describe(held)}). "
+                                  "Only one writer may own a cache; wait for it to finish or stop it.")
+            try:   # stale (holder dead or lapsed): take over exactly the version judged stale
+                self._etag = self.loc.write_json(self.rel, self._body(), if_match=etag)
+            except ConflictError:
+                continue
+            if self.loc.read_json(self.rel).get("owner") == self.owner:
+                return
+        raise LockedError(f"{where}: could not take the writer lease (other writers keep racing for it)")
+
+    def _beat(self):
+        while not self._stop.wait(self.ttl / 4):
+            try:
+                tag = self.loc.write_json(self.rel, self._body(), if_match=self._etag if self.exclusive else None)
+                if self.exclusive:
+                    self._etag = tag
+            except ConflictError:
+                self.lost = True
+                return
+            except OSError:
+                continue           # a transient storage error: try again next beat, the TTL leaves room
+
+    def check(self):
+        """Raise if the lease was lost (another process took it over after it lapsed)."""
+        if self.lost:
+            raise LockedError(f"{self.loc.path(self.rel)}: lost the writer lease to another process; "
+                              "stopping before committing anything more")
+
+    def release(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        try:
+            if self.loc.read_json(self.rel).get("owner") == self.owner:
+                self.loc.remove(self.rel)
+        except (FileNotFoundError, ValueError):
+            pass
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def reader_lease(loc):
+    """Announce a reading run on the cache at `loc` (shared; renewed until released) and stamp last use."""
+    name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+    lease = Lease(loc, f"{READERS_DIR}/{name}", exclusive=False).acquire()
+    loc.write_json(LAST_USED, {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid()})
+    return lease
+
+
+def live_readers(loc, now=None):
+    """Lease bodies of the runs reading the cache at `loc` now."""
+    out = []
+    for name in loc.list(READERS_DIR):
+        try:
+            info = loc.read_json(f"{READERS_DIR}/{name}")
+        except (FileNotFoundError, ValueError):
+            continue
+        if is_live(info, now):
+            out.append(info)
+    return out

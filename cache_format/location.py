@@ -1,0 +1,238 @@
+"""Where a cache lives: a local directory, or an fsspec URL (s3://, gs://, memory://, ...).
+
+Local directories keep the POSIX path: temp file + fsync + rename, flock. URLs go through
+fsspec. Object stores have no rename, but an object appears whole or not at all, so one PUT
+is atomic by itself: a shard is uploaded under its final name and becomes visible to readers
+only when the manifest, written last, lists it. Where the store offers conditional puts (S3:
+If-None-Match / If-Match), the lock is created exclusively and the manifest is only replaced
+if nobody else replaced it since this writer last wrote it.
+"""
+import json
+import os
+import shutil
+import tempfile
+
+from .atomic import atomic_write_bytes, crash_point, remove
+
+
+class ConflictError(OSError):
+    """A conditional write lost: the object exists, or changed since we last read or wrote it."""
+
+
+def is_url(path) -> bool:
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
+class Location:
+    """A directory-like place: `Location("runs/cache")` or `Location("s3://bucket/store/x")`."""
+
+    def __init__(self, where, storage_options=None):
+        where = str(where)
+        if where.startswith("file://"):
+            where = where[len("file://"):]
+        self.url = where.rstrip("/") if is_url(where) else os.path.abspath(where)
+        self.remote = is_url(where)
+        self.storage_options = storage_options or {}
+        self._fs = None
+
+    def __repr__(self):
+        return f"Location({self.url!r})"
+
+    def __str__(self):
+        return self.url
+
+    @property
+    def fs(self):
+        if self._fs is None:
+            import fsspec
+            opts = dict(self.storage_options)
+            if self.protocol in ("s3", "s3a", "gs", "gcs", "az", "abfs"):
+                opts.setdefault("use_listings_cache", False)   # other processes write here: always ask the store
+            self._fs, _ = fsspec.core.url_to_fs(self.url, **opts)
+        return self._fs
+
+    @property
+    def protocol(self):
+        return self.url.split("://", 1)[0] if self.remote else "file"
+
+    def path(self, rel=""):
+        """Full path (local) or URL (remote) of rel, a '/'-separated path inside this location."""
+        if not rel:
+            return self.url
+        return f"{self.url}/{rel}" if self.remote else os.path.join(self.url, *rel.split("/"))
+
+    def child(self, rel):
+        loc = Location(self.path(rel), self.storage_options)
+        loc._fs = self._fs
+        return loc
+
+    # -- small objects ---------------------------------------------------------------
+    def exists(self, rel=""):
+        return self.fs.exists(self.path(rel)) if self.remote else os.path.lexists(self.path(rel))
+
+    def read_bytes(self, rel):
+        """The object's bytes; FileNotFoundError if absent."""
+        if self.remote:
+            return self.fs.cat_file(self.path(rel))
+        with open(self.path(rel), "rb") as f:
+            return f.read()
+
+    def read_json(self, rel):
+        return json.loads(self.read_bytes(rel).decode("utf-8"))
+
+    def etag(self, rel):
+        """A version tag of a remote object (S3 ETag), or None where the store has none."""
+        if not self.remote:
+            return None
+        try:
+            return self.fs.info(self.path(rel)).get("ETag")
+        except FileNotFoundError:
+            return None
+
+    def write_bytes(self, rel, data: bytes, *, exclusive=False, if_match=None):
+        """Write an object whole. exclusive: fail if it exists; if_match: only replace that version.
+
+        Returns the new version tag (S3 ETag) or None. Raises ConflictError when a condition fails.
+        Locally the write is temp + fsync + rename (conditions are for object stores; local writers
+        are serialised by flock). On stores without conditional puts the conditions are checked by
+        reading first, which narrows but does not close the race (S3 closes it).
+        """
+        if not self.remote:
+            path = self.path(rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if exclusive:
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError as e:
+                    raise ConflictError(f"{path} exists") from e
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            else:
+                atomic_write_bytes(path, data)
+            return None
+        return self._put(rel, data, exclusive, if_match)
+
+    def _put(self, rel, data, exclusive, if_match):
+        crash_point("before-replace-" + rel.rsplit("/", 1)[-1])
+        path = self.path(rel)
+        kwargs = {}
+        if self.protocol in ("s3", "s3a"):
+            if if_match:
+                kwargs["IfMatch"] = if_match
+            if exclusive:
+                kwargs["mode"] = "create"
+        else:
+            if exclusive and self.fs.exists(path):
+                raise ConflictError(f"{path} exists")
+            if if_match and self.etag(rel) not in (None, if_match):
+                raise ConflictError(f"{path} changed since it was last written")
+        try:
+            out = self.fs.pipe_file(path, data, **kwargs)
+        except FileExistsError as e:
+            raise ConflictError(f"{path} exists") from e
+        except OSError as e:
+            if "precondition" in str(e).lower() or (getattr(e, "errno", None) == 22 and if_match):
+                raise ConflictError(f"{path} changed since it was last written ({e})") from e
+            raise
+        self.fs.invalidate_cache(path)
+        return out.get("ETag") if isinstance(out, dict) else self.etag(rel)
+
+    def write_json(self, rel, obj, **kw):
+        return self.write_bytes(rel, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8"), **kw)
+
+    def list(self, rel=""):
+        """Names of the immediate children of rel ([] if it does not exist)."""
+        if not self.remote:
+            d = self.path(rel)
+            return sorted(os.listdir(d)) if os.path.isdir(d) else []
+        try:
+            entries = self.fs.ls(self.path(rel), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
+
+    def info(self, rel=""):
+        """{'size': bytes, 'mtime': unix seconds or None, 'type': 'file'|'directory'}; FileNotFoundError if absent."""
+        if not self.remote:
+            st = os.stat(self.path(rel))
+            return {"size": st.st_size, "mtime": st.st_mtime, "type": "directory" if os.path.isdir(self.path(rel))
+                    else "file"}
+        i = self.fs.info(self.path(rel))
+        m = i.get("LastModified") or i.get("mtime") or i.get("created")
+        mtime = m.timestamp() if hasattr(m, "timestamp") else (float(m) if m else None)
+        return {"size": int(i.get("size") or 0), "mtime": mtime, "type": i.get("type", "file")}
+
+    def tree_size(self, rel=""):
+        """Bytes under rel (a file or a directory)."""
+        if not self.remote:
+            p = self.path(rel)
+            if os.path.isfile(p):
+                return os.path.getsize(p)
+            return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
+        return int(self.fs.du(self.path(rel), total=True))
+
+    def newest_mtime(self, rel=""):
+        """Latest modification time (unix seconds) of anything under rel; None if it holds nothing."""
+        if not self.remote:
+            times = [os.stat(os.path.join(d, f)).st_mtime for d, _, fs in os.walk(self.path(rel)) for f in fs]
+        else:
+            found = self.fs.find(self.path(rel), detail=True)
+            times = []
+            for i in found.values():
+                m = i.get("LastModified") or i.get("mtime") or i.get("created")
+                if m is not None:
+                    times.append(m.timestamp() if hasattr(m, "timestamp") else float(m))
+        return max(times) if times else None
+
+    def remove(self, rel=""):
+        """Delete a file or a whole directory/prefix; absent is fine."""
+        if not self.remote:
+            remove(self.path(rel))
+            return
+        try:
+            self.fs.rm(self.path(rel), recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(self.path(rel))
+
+    # -- shard transfer --------------------------------------------------------------
+    def upload(self, local_path, rel):
+        """Copy a finished local file or directory to rel (remote only). Each object lands whole."""
+        crash_point("before-upload")
+        target = self.path(rel)
+        if os.path.isdir(local_path):
+            self.remove(rel)
+            for d, _, files in os.walk(local_path):
+                for f in sorted(files):
+                    src = os.path.join(d, f)
+                    sub = os.path.relpath(src, local_path).replace(os.sep, "/")
+                    self.fs.put_file(src, f"{target}/{sub}")
+        else:
+            self.fs.put_file(local_path, target)
+        self.fs.invalidate_cache(target)
+
+    def download(self, rel, local_path):
+        """Copy rel (file or directory) to local_path, written beside it then renamed into place."""
+        src = self.path(rel)
+        parent = os.path.dirname(os.path.abspath(local_path))
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".download-", dir=parent)
+        try:
+            out = os.path.join(tmp, "x")
+            if self.fs.isdir(src):
+                for path in self.fs.find(src):
+                    sub = path[len(self.fs._strip_protocol(src)):].lstrip("/")
+                    os.makedirs(os.path.dirname(os.path.join(out, sub)), exist_ok=True)
+                    self.fs.get_file(path, os.path.join(out, sub))
+            else:
+                self.fs.get_file(src, out)
+            remove(local_path)
+            os.replace(out, local_path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def as_location(where):
+    return where if isinstance(where, Location) else Location(where)

@@ -1,0 +1,218 @@
+"""A store: one root (a directory or an fsspec URL) holding many caches, each named by its fingerprint.
+
+    ROOT/kdcache-store.json              marks the root as a store
+    ROOT/<alias>--<fingerprint[:16]>/    one cache (manifest.json, shards/, report/, ...)
+
+A precompute aimed at a store computes the fingerprint of its inputs first and looks for a
+cache whose name ends in that fingerprint: found complete, it is reused with no teacher work;
+found incomplete, it is resumed; otherwise a new one is started under the alias. `ls` lists the
+caches, `gc` removes incomplete or unused ones, never one that a run is writing or reading.
+"""
+import calendar
+import re
+import time
+from dataclasses import dataclass, field
+
+from .errors import CacheError, LockedError
+from .lease import LAST_USED, Lease, is_live, live_readers
+from .location import ConflictError, as_location
+from .lock import LOCK_NAME, DirLock
+from .manifest import MANIFEST_NAME, load_manifest
+
+STORE_MARKER = "kdcache-store.json"
+SEP = "--"
+ID_LEN = 16
+
+
+def is_store(where):
+    return as_location(where).exists(STORE_MARKER)
+
+
+def init_store(where):
+    loc = as_location(where)
+    if not loc.exists(STORE_MARKER):
+        try:
+            loc.write_json(STORE_MARKER, {"format": "kdcache-store", "version": 1}, exclusive=True)
+        except ConflictError:
+            pass           # another job made it first
+    return loc
+
+
+def slug(text):
+    return re.sub(r"[^A-Za-z0-9._]+", "-", str(text)).strip("-.")[:80] or "cache"
+
+
+def cache_name(alias, fingerprint):
+    return f"{slug(alias)}{SEP}{fingerprint[:ID_LEN]}"
+
+
+def find_cache(where, fingerprint):
+    """Name of the cache in the store made from these inputs (any alias), or None."""
+    suffix = SEP + fingerprint[:ID_LEN]
+    for name in as_location(where).list():
+        if name.endswith(suffix):
+            return name
+    return None
+
+
+def resolve(where, fingerprint, alias):
+    """(URL or path of the cache for this fingerprint, whether it already existed). Creates the store marker."""
+    loc = init_store(where)
+    name = find_cache(loc, fingerprint)
+    return loc.path(name or cache_name(alias, fingerprint)), name is not None
+
+
+def parse_time(stamp):
+    """Unix seconds of a manifest timestamp ('2026-11-30T10:43:07Z')."""
+    return float(calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")))
+
+
+@dataclass
+class Entry:
+    name: str
+    url: str
+    manifest: dict | None = None
+    error: str | None = None
+    readers: list = field(default_factory=list)
+    writing: bool = False
+    updated: float | None = None         # last commit (or newest file, without a manifest)
+    last_used: float | None = None       # last reader, or the last commit if never read
+
+    @property
+    def complete(self):
+        return bool(self.manifest and self.manifest["complete"])
+
+    @property
+    def state(self):
+        if self.error:
+            return "unreadable"
+        if self.manifest is None:
+            return "empty"
+        m = self.manifest
+        return "complete" if m["complete"] else f"incomplete {len(m['shards'])}/{m['num_shards_planned']}"
+
+
+def _writer_live(loc):
+    """Whether a precompute holds this cache now."""
+    if not loc.remote:
+        lock = DirLock(loc.url)
+        try:
+            lock.acquire()
+        except LockedError:
+            return True
+        except OSError:           # gone, or a read-only store: nobody can be writing through this path
+            return False
+        lock.release()
+        return False
+    try:
+        return is_live(loc.read_json(LOCK_NAME))
+    except (FileNotFoundError, ValueError):
+        return False
+
+
+def describe_cache(loc, name):
+    c = loc.child(name)
+    e = Entry(name=name, url=c.url)
+    try:
+        e.manifest = load_manifest(c)
+        e.updated = parse_time(e.manifest["updated"])
+    except CacheError as err:
+        if "no manifest" not in str(err):
+            e.error = str(err)
+        e.updated = c.newest_mtime()
+    e.readers = live_readers(c)
+    e.writing = _writer_live(c)
+    used = [e.updated or 0.0]
+    try:
+        used.append(float(c.read_json(LAST_USED)["time"]))
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        pass
+    e.last_used = time.time() if e.readers else max(used)
+    return e
+
+
+def list_caches(where):
+    """Every cache directory in the store (anything holding a manifest, shards or a lock), as Entries."""
+    loc = as_location(where)
+    out = []
+    for name in loc.list():
+        if name == STORE_MARKER or name.startswith("."):
+            continue
+        c = loc.child(name)
+        if not (c.exists(MANIFEST_NAME) or c.exists("shards") or c.exists(LOCK_NAME)):
+            continue
+        out.append(describe_cache(loc, name))
+    return out
+
+
+def _hold(loc):
+    """Take the cache's writer lock for gc (LockedError if a precompute holds it)."""
+    lock = Lease(loc, LOCK_NAME, exclusive=True) if loc.remote else DirLock(loc.url)
+    return lock.acquire()
+
+
+def remove_cache(loc):
+    """Delete one cache unless a run reads or writes it. Returns None when removed, else the reason kept.
+
+    Order: no live reader -> take the writer lock -> delete the manifest (from here on new readers
+    find no cache) -> look for readers again, and if one announced itself meanwhile, put the manifest
+    back and keep the cache -> delete everything else.
+    """
+    if live_readers(loc):
+        return "being read"
+    try:
+        lock = _hold(loc)
+    except LockedError:
+        return "being written"
+    try:
+        try:
+            manifest = loc.read_bytes(MANIFEST_NAME)
+        except FileNotFoundError:
+            manifest = None
+        loc.remove(MANIFEST_NAME)
+        if live_readers(loc):
+            if manifest is not None:
+                loc.write_bytes(MANIFEST_NAME, manifest)
+            return "being read"
+        for name in loc.list():
+            if name != LOCK_NAME:
+                loc.remove(name)
+    finally:
+        lock.release()
+    loc.remove()
+    return None
+
+
+def gc(where, *, incomplete_older_than=None, unused_since=None, dry_run=False, now=None):
+    """Remove incomplete caches idle for more than `incomplete_older_than` seconds, and caches (complete
+    or not) last used before `unused_since` (unix seconds). Returns [(Entry, action, reason)]."""
+    now = time.time() if now is None else now
+    plan = []
+    for e in list_caches(where):
+        why = None
+        if e.state == "unreadable":
+            plan.append((e, "kept", "manifest unreadable: inspect it by hand"))
+            continue
+        if incomplete_older_than is not None and not e.complete and (e.updated or 0) < now - incomplete_older_than:
+            why = f"incomplete, idle {_age(now - (e.updated or 0))}"
+        elif unused_since is not None and (e.last_used or 0) < unused_since:
+            why = f"not used since {time.strftime('%Y-%m-%d %H:%M', time.gmtime(e.last_used or 0))}"
+        if why is None:
+            continue
+        if e.readers:
+            plan.append((e, "kept", f"{why}, but {len(e.readers)} run(s) are reading it"))
+        elif e.writing:
+            plan.append((e, "kept", f"{why}, but a precompute is writing it"))
+        elif dry_run:
+            plan.append((e, "would remove", why))
+        else:
+            kept = remove_cache(as_location(e.url))
+            plan.append((e, "removed", why) if kept is None else (e, "kept", f"{why}, but {kept}"))
+    return plan
+
+
+def _age(seconds):
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"

@@ -1,0 +1,202 @@
+"""Caches on object storage: a real S3-compatible server (moto, on 127.0.0.1) and fsspec's memory://."""
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from cache_format import CacheWriter, LockedError, ShardError, open_cache, verify_cache, write_cache, write_shard_file
+from cache_format.fetch import ShardFetcher
+from cache_format.lease import live_readers
+from cache_format.location import Location
+from tests.conftest import ROOT
+from tests.helpers.records import make_records, writer_kwargs
+
+
+def same(a, b):
+    return (a.sample_id == b.sample_id and np.array_equal(a.input_ids, b.input_ids)
+            and np.array_equal(a.positions, b.positions) and np.array_equal(a.topk_ids, b.topk_ids)
+            and np.allclose(a.topk_logprobs, b.topk_logprobs, atol=1e-2))
+
+
+@pytest.mark.parametrize("backend", ["arrow", "zarr"])
+def test_round_trip_on_s3(bucket, backend):
+    url = f"{bucket}/caches/c"
+    recs = make_records(50, seed=3)
+    m = write_cache(url, recs, shard_size=16, **writer_kwargs(backend))
+    assert m["complete"] and len(m["shards"]) == 4
+    cache = open_cache(url)
+    assert len(cache) == 50 and all(same(a, b) for a, b in zip(recs, cache))
+    assert same(cache[37], recs[37])                                    # random access too
+    rep = verify_cache(url)
+    assert rep.ok and rep.shards_checked == 4 and rep.samples_checked == 50, rep.problems
+    cache.close()
+    assert not os.path.exists(cache._fetcher.dir)                       # local copies go with the reader
+
+
+def test_memory_url_round_trip():
+    recs = make_records(20, seed=4)
+    write_cache("memory://kd/c", recs, shard_size=8, **writer_kwargs("arrow"))
+    assert [r.sample_id for r in open_cache("memory://kd/c")] == list(range(20))
+
+
+def test_second_writer_on_s3_is_refused_and_named(bucket):
+    url = f"{bucket}/c"
+    with CacheWriter(url, num_shards_planned=2, **writer_kwargs("arrow")):
+        held = Location(url).read_json(".writer.lock")
+        assert held["pid"] == os.getpid()
+        with pytest.raises(LockedError, match=f"pid {os.getpid()}"):
+            CacheWriter(url, num_shards_planned=2, **writer_kwargs("arrow")).open()
+    assert not Location(url).exists(".writer.lock")                    # released
+
+
+def dead_pid():
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+@pytest.mark.parametrize("host,pid,expires_in,taken", [
+    ("self", "dead", 3600, True),          # killed on this machine: free at once
+    ("elsewhere", 1, 3600, False),         # another machine, lease current: refused
+    ("elsewhere", 1, -1, True),            # another machine, lease lapsed: taken over
+])
+def test_stale_writer_lease(bucket, host, pid, expires_in, taken):
+    url = f"{bucket}/c"
+    lock = {"owner": "old", "host": socket.gethostname() if host == "self" else "other-host",
+            "pid": dead_pid() if pid == "dead" else pid, "started": 0, "expires": time.time() + expires_in}
+    Location(url).write_json(".writer.lock", lock)
+    w = CacheWriter(url, num_shards_planned=1, **writer_kwargs("arrow"))
+    if taken:
+        w.open()
+        assert Location(url).read_json(".writer.lock")["pid"] == os.getpid()
+        w.close()
+    else:
+        with pytest.raises(LockedError, match="other-host"):
+            w.open()
+
+
+def test_manifest_replaced_behind_the_writers_back_stops_it(bucket):
+    """The manifest write is conditional on the version this writer wrote (S3 If-Match)."""
+    url = f"{bucket}/c"
+    recs = make_records(8, seed=5)
+    with CacheWriter(url, num_shards_planned=2, **writer_kwargs("arrow")) as w:
+        w.write_shard(0, recs[:4], sample_start=0, sample_end=4)
+        foreign = Location(url).read_bytes("manifest.json").replace(b'"complete"', b'"complete" ')
+        Location(url).write_bytes("manifest.json", foreign)          # a rogue second writer
+        with pytest.raises(LockedError, match="written by another process"):
+            w.write_shard(1, recs[4:], sample_start=4, sample_end=8)
+    assert Location(url).read_bytes("manifest.json") == foreign      # not overwritten
+
+
+def test_uploaded_shard_is_invisible_until_committed(bucket):
+    url = f"{bucket}/c"
+    recs = make_records(8, seed=6)
+    with CacheWriter(url, num_shards_planned=2, **writer_kwargs("arrow")) as w:
+        w.write_shard(0, recs[:4], sample_start=0, sample_end=4)
+        write_shard_file(url, 1, recs[4:], backend="arrow", top_k=8, vocab_size=300, sample_start=4, sample_end=8)
+        assert [r.sample_id for r in open_cache(url)] == [0, 1, 2, 3]
+        rep = verify_cache(url)
+        assert rep.ok and any("shard-00001" in where for where, _ in rep.warnings)
+
+
+WRITER = """
+import sys
+sys.path.insert(0, {root!r})
+from cache_format import write_cache
+from tests.helpers.records import make_records, writer_kwargs
+write_cache({url!r}, make_records(40, seed=7), shard_size=8, **writer_kwargs("zarr"))
+"""
+
+
+@pytest.mark.parametrize("point", ["before-replace-manifest.json@3", "before-upload@4"])
+def test_kill_9_mid_remote_write_then_resume(bucket, point):
+    """SIGKILL at the manifest PUT or a shard upload: committed shards stay, the rerun finishes the rest."""
+    url = f"{bucket}/c"
+    code = WRITER.format(root=ROOT, url=url)
+    res = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, KDCACHE_CRASH_AT=point),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == -9, res.stderr[-2000:]
+    partial = open_cache(url)
+    assert not partial.complete and 0 < partial.num_shards < 5
+    assert [r.sample_id for r in partial] == list(range(len(partial)))          # a prefix, each shard whole
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]                              # dead holder: lease taken over
+    done = open_cache(url)
+    assert done.complete and all(same(a, b) for a, b in zip(make_records(40, seed=7), done))
+    assert verify_cache(url).ok
+
+
+def test_damaged_remote_shard_is_refused_by_name(bucket):
+    url = f"{bucket}/c"
+    write_cache(url, make_records(24, seed=8), shard_size=8, **writer_kwargs("arrow"))
+    loc = Location(url)
+    data = bytearray(loc.read_bytes("shards/shard-00001.arrow"))
+    data[len(data) // 2] ^= 0xFF
+    loc.write_bytes("shards/shard-00001.arrow", bytes(data))
+    cache = open_cache(url)
+    assert len(list(cache.iter_shard(0))) == 8
+    with pytest.raises(ShardError, match="shard-00001.arrow.*sha256"):
+        list(cache.iter_shard(1))
+    rep = verify_cache(url)
+    assert [w for w, _ in rep.problems] == ["shards/shard-00001.arrow"]
+
+
+def test_fetcher_stays_within_its_budget_and_reads_ahead(bucket):
+    url = f"{bucket}/c"
+    m = write_cache(url, make_records(80, seed=9), shard_size=10, **writer_kwargs("arrow"))
+    biggest = max(s["bytes"] for s in m["shards"])
+    f = ShardFetcher(Location(url), m["shards"], max_bytes=int(2.5 * biggest))
+    f.prefetch([0, 1])
+    deadline = time.time() + 30
+    while f.downloaded_bytes < m["shards"][0]["bytes"] + m["shards"][1]["bytes"] and time.time() < deadline:
+        time.sleep(0.05)                     # downloaded in the background before anyone asked
+    assert f.downloaded_bytes == m["shards"][0]["bytes"] + m["shards"][1]["bytes"]
+    peak = 0
+    for j in range(8):
+        f.prefetch([j + 1])
+        path = f.get(j)
+        assert os.path.exists(path)
+        peak = max(peak, f.bytes_on_disk)
+    assert peak <= 2.5 * biggest + biggest   # the budget, plus at most the one shard being downloaded
+    assert len(os.listdir(os.path.join(f.dir, "shards"))) <= 3
+    f.close()
+
+
+def _reader(url, ready, go, q):
+    try:
+        sys.path.insert(0, ROOT)
+        from train.data import CacheStream
+        s = CacheStream(url, seed=os.getpid(), epochs=2, track_use=True)
+        ready.put(os.getpid())
+        go.wait(60)
+        ids = sorted(r.sample_id for r, _ in s.samples())
+        s.close()
+        q.put(("ok", ids))
+    except BaseException as e:
+        q.put(("error", repr(e)))
+
+
+@pytest.mark.slow
+def test_many_readers_at_once_without_coordination(bucket):
+    url = f"{bucket}/c"
+    write_cache(url, make_records(60, seed=10), shard_size=6, **writer_kwargs("zarr"))
+    ctx = mp.get_context("spawn")
+    ready, q, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_reader, args=(url, ready, go, q)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    pids = {ready.get(timeout=120) for _ in procs}
+    leases = live_readers(Location(url))
+    assert {r["pid"] for r in leases} == pids                  # each run announced itself, nobody coordinated
+    go.set()
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert all(kind == "ok" for kind, _ in results), results
+    assert all(ids == sorted(list(range(60)) * 2) for _, ids in results)
+    assert live_readers(Location(url)) == []                   # leases withdrawn at close

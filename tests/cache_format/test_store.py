@@ -1,0 +1,133 @@
+"""The store: caches found by fingerprint, `kdcache ls`, and `kdcache gc` that never removes a cache in use."""
+import json
+import time
+
+import pytest
+
+from cache_format import CacheWriter, open_cache, write_cache
+from cache_format import store as store_mod
+from cache_format.cli import gc_main, ls_main
+from cache_format.location import Location
+from cache_format.store import gc, list_caches, remove_cache, resolve
+from cache_format.writer import cache_fingerprint
+from tests.helpers.records import make_records, writer_kwargs
+
+DAY = 86400.0
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("bucket") + "/store"
+
+
+def add_cache(root, alias, data, n=12, shards_done=None, meta=None):
+    """A cache of inputs `data` placed in the store by fingerprint; shards_done < planned leaves it incomplete."""
+    kw = writer_kwargs("arrow", fingerprint_parts={"teacher": "t", "data": data},
+                       meta=meta or {"teacher": "tiny-teacher", "dataset": data})
+    fp, _ = cache_fingerprint(kw["fingerprint_parts"], backend="arrow", top_k=8)
+    where, _ = resolve(root, fp, alias)
+    recs = make_records(n, seed=len(data))
+    if shards_done is None:
+        write_cache(where, recs, shard_size=4, **kw)
+    else:
+        with CacheWriter(where, num_shards_planned=-(-n // 4), **kw) as w:
+            for j in range(shards_done):
+                w.write_shard(j, recs[4 * j:4 * j + 4], sample_start=4 * j, sample_end=4 * j + 4)
+    return where, fp
+
+
+def names(root):
+    return sorted(e.name for e in list_caches(root))
+
+
+def test_found_by_fingerprint_whatever_the_alias(root):
+    where, fp = add_cache(root, "first name", "d1")
+    assert where.endswith("/first-name--" + fp[:16])
+    again, found = resolve(root, fp, "another alias")
+    assert found and again == where                                   # same inputs: the same cache
+    other_fp, _ = cache_fingerprint({"teacher": "t", "data": "d2"}, backend="arrow", top_k=8)
+    new, found = resolve(root, other_fp, "first name")
+    assert not found and new != where and new.endswith(other_fp[:16])
+
+
+def test_ls_shows_state_teacher_dataset_k_and_size(root, capsys):
+    add_cache(root, "done", "d1")
+    add_cache(root, "half", "d2", shards_done=1)
+    assert ls_main([root]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    done = next(v for k, v in lines.items() if k.startswith("done--"))
+    half = next(v for k, v in lines.items() if k.startswith("half--"))
+    assert "complete" in done and "tiny-teacher" in done and " d1 " in done and " 8 " in done and " 12 " in done
+    assert "incomplete 1/3" in half and " 4 " in half
+    assert ls_main([root, "--json"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert sorted((r["state"], r["counts"]["samples"]) for r in rows) == [("complete", 12), ("incomplete 1/3", 4)]
+
+
+def test_gc_removes_old_incomplete_and_unused_caches_only(root):
+    add_cache(root, "done", "d1")
+    add_cache(root, "half", "d2", shards_done=1)
+    plan = gc(root, incomplete_older_than=7 * DAY)                    # both were just written: nothing is old
+    assert plan == [] and len(names(root)) == 2
+    plan = gc(root, incomplete_older_than=7 * DAY, now=time.time() + 8 * DAY, dry_run=True)
+    assert [(e.name.split("--")[0], a) for e, a, _ in plan] == [("half", "would remove")]
+    assert len(names(root)) == 2                                      # a dry run removes nothing
+    plan = gc(root, incomplete_older_than=7 * DAY, now=time.time() + 8 * DAY)
+    assert [(e.name.split("--")[0], a) for e, a, _ in plan] == [("half", "removed")]
+    assert [n.split("--")[0] for n in names(root)] == ["done"]        # the complete one is untouched
+    assert not Location(plan[0][0].url).exists()                      # and nothing of the other is left
+    plan = gc(root, unused_since=time.time() + 60)                    # "not used since a minute from now"
+    assert [(e.name.split("--")[0], a) for e, a, _ in plan] == [("done", "removed")] and names(root) == []
+
+
+def test_gc_never_removes_a_cache_being_read_or_written(root):
+    done, _ = add_cache(root, "done", "d1")
+    half, _ = add_cache(root, "half", "d2", shards_done=1)
+    reader = open_cache(done, track_use=True)                         # a training run reading it
+    kw = writer_kwargs("arrow", fingerprint_parts={"teacher": "t", "data": "d2"},
+                       meta={"teacher": "tiny-teacher", "dataset": "d2"})
+    writer = CacheWriter(half, num_shards_planned=3, **kw).open()     # a precompute resuming it
+    try:
+        plan = gc(root, incomplete_older_than=0, unused_since=time.time() + 60)
+        why = {e.name.split("--")[0]: (a, r) for e, a, r in plan}
+        assert why["done"][0] == "kept" and "reading" in why["done"][1]
+        assert why["half"][0] == "kept" and "writing" in why["half"][1]
+        assert len(names(root)) == 2 and len(list(open_cache(done))) == 12
+    finally:
+        reader.close()
+        writer.close()
+    plan = gc(root, incomplete_older_than=0, unused_since=time.time() + 60)
+    assert sorted(a for _, a, _ in plan) == ["removed", "removed"] and names(root) == []
+
+
+def test_reader_arriving_mid_gc_keeps_the_cache(root, monkeypatch):
+    """A run that announces itself after gc's first look makes gc put the manifest back and stop."""
+    done, _ = add_cache(root, "done", "d1")
+    real = store_mod.live_readers
+    calls = []
+
+    def late_reader(loc):
+        calls.append(1)
+        if len(calls) == 1:                        # gc's first look: nobody yet; then a run starts
+            late_reader.run = open_cache(done, track_use=True)
+            return []
+        return real(loc)
+
+    monkeypatch.setattr(store_mod, "live_readers", late_reader)
+    assert remove_cache(Location(done)) == "being read"
+    late_reader.run.close()
+    assert [r.sample_id for r in open_cache(done)] == list(range(12))   # manifest restored, shards intact
+
+
+def test_gc_cli_needs_a_criterion_and_reports(tmp_path, capsys):
+    root = str(tmp_path / "store")
+    add_cache(root, "half", "d2", shards_done=1)
+    with pytest.raises(SystemExit):
+        gc_main([root])
+    assert "say what to remove" in capsys.readouterr().err
+    assert gc_main([root, "--incomplete-older-than", "0s"]) == 0
+    out = capsys.readouterr().out
+    assert "removed       half--" in out and "removed 1 cache(s)" in out and names(root) == []
