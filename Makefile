@@ -44,6 +44,7 @@ bench: setup
 	$(BIN)/python bench/storage.py
 	$(BIN)/python bench/precompute.py
 	$(BIN)/python bench/train_step.py
+	$(BIN)/python bench/remote_read.py
 
 lint: setup
 	$(BIN)/ruff check cache_format pipeline train kdcache tests bench
