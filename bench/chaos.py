@@ -1,12 +1,14 @@
 """Fault injection: kill precompute and training at random and at chosen moments; count what is lost.
 
     .venv/bin/python bench/chaos.py [--trials 6] [--train-trials 6] [--seed 0]     (or: make chaos)
+    .venv/bin/python bench/chaos.py --s3 --train-trials 0     (precompute into an S3-compatible server)
 
 Precompute: an uninterrupted reference run, then trials that kill -9 the whole process tree at a
 random moment, or SIGKILL a process exactly at a crash point (a worker just before it renames a
-finished shard into place; the driver just before it replaces manifest.json), then rerun the same
-command until it completes. Each final cache is verified and compared with the reference sample by
-sample: samples lost, samples duplicated, values different.
+finished shard into place, or uploads it with --s3; the driver just before it replaces
+manifest.json), then rerun the same command until it completes. With --s3 the caches are written
+to an S3-compatible server (moto) started on 127.0.0.1. Each final cache is verified and compared
+with the reference sample by sample: samples lost, samples duplicated, values different.
 
 Training: an uninterrupted reference run, then trials that send SIGTERM, SIGHUP or SIGKILL at a
 random step, or SIGKILL exactly while a checkpoint is being committed, then rerun until finished.
@@ -28,6 +30,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from cache_format import open_cache, verify_cache  # noqa: E402
+from cache_format.location import Location  # noqa: E402
 
 
 def kdcache_cmd(*args):
@@ -59,33 +62,35 @@ def compare_caches(ref_dir, out_dir):
     return lost, dup, differ
 
 
-def _committed(manifest):
+def _committed(out):
+    """Shards listed in the manifest at `out` (a directory or URL); 0 without one."""
     try:
-        return len(json.load(open(manifest))["shards"]) > 0
+        return len(Location(out).read_json("manifest.json")["shards"])
     except (OSError, ValueError):
-        return False
+        return 0
 
 
-def precompute_trials(args, work, teacher, rng):
+def precompute_trials(args, work, teacher, rng, root):
     from kdcache.demo.task import make_splits, write_jsonl
     data = os.path.join(work, "data.jsonl")
     write_jsonl(make_splits(args.records, 0, seed=3)[0], data)
     common = ["precompute", "--teacher", teacher, "--data", data, "--backend", "hf", "--top-k", 16,
               "--shard-size", 10, "--no-progress", "--worker-cpus", 0.5]
-    ref = os.path.join(work, "pre-ref")
+    ref = os.path.join(work, "pre-ref")         # the reference always on local disk
     t0 = time.time()
     res = run(kdcache_cmd(*common, "--out", ref))
     if res.returncode:
         sys.exit(res.stderr[-3000:])
     duration = time.time() - t0
     window = json.load(open(os.path.join(ref, "report", "summary.json")))["loop_s"]   # scoring phase only
-    plans = [("crash point: worker, before a shard rename", "before-publish@3"),
+    plans = [("crash point: worker, before a shard upload", "before-upload@3") if root.startswith("s3://") else
+             ("crash point: worker, before a shard rename", "before-publish@3"),
              ("crash point: driver, before manifest.json replace", "before-replace-manifest.json@5")]
     plans += [(f"kill -9 tree {t:.2f} s after the first commit", t) for t in
               sorted(rng.uniform(0, window) for _ in range(max(0, args.trials - len(plans))))]
     rows = []
     for i, (label, how) in enumerate(plans):
-        out = os.path.join(work, f"pre-{i}")
+        out = f"{root}/pre-{i}"
         env = dict(os.environ)
         if isinstance(how, str):
             env["KDCACHE_CRASH_AT"] = how
@@ -93,15 +98,13 @@ def precompute_trials(args, work, teacher, rng):
             interrupted = first.returncode != 0
         else:
             proc = start(kdcache_cmd(*common, "--out", out))
-            manifest = os.path.join(out, "manifest.json")
-            while proc.poll() is None and not _committed(manifest):
-                time.sleep(0.01)
+            while proc.poll() is None and not _committed(out):
+                time.sleep(0.05)
             time.sleep(how)
             interrupted = proc.poll() is None
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        committed = len(json.load(open(os.path.join(out, "manifest.json")))["shards"]) \
-            if os.path.exists(os.path.join(out, "manifest.json")) else 0
+        committed = _committed(out)
         sound_after_kill = verify_cache(out).ok if committed else True
         for _ in range(3):
             res = run(kdcache_cmd(*common, "--out", out))
@@ -165,6 +168,7 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--s3", action="store_true", help="precompute into an S3-compatible server (moto) on 127.0.0.1")
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
     random.seed(args.seed)
@@ -172,10 +176,18 @@ def main():
     if not os.path.isfile(os.path.join(teacher, "teacher_training.json")):
         subprocess.run(kdcache_cmd("demo", "--stage", "teacher"), cwd=ROOT, check=True)
     work = tempfile.mkdtemp(prefix="kdchaos-")
+    server = None
     try:
-        rows, duration, window = precompute_trials(args, work, teacher, rng)
-        print(f"precompute: {args.records} records, 40 shards; reference run {duration:.1f} s, of which "
-              f"{window:.1f} s scoring (first submit to last commit)")
+        root = work
+        if args.s3:
+            from tests.helpers.s3server import S3Server
+            server = S3Server().start()
+            os.environ.update(server.env())
+            root = server.make_bucket("chaos")
+        rows, duration, window = precompute_trials(args, work, teacher, rng, root)
+        print(f"precompute into {'an S3-compatible server' if args.s3 else 'local disk'}: {args.records} records, "
+              f"{args.records // 10} shards; reference run {duration:.1f} s, of which {window:.1f} s scoring "
+              "(first submit to last commit)")
         print(f"{'trial':<52}{'killed':>7}{'shards':>7}{'verify':>8}{'lost':>6}{'dup':>5}{'diff':>6}")
         for r in rows:
             ok = "ok" if r["verify"] and r["sound_after_kill"] else "FAIL"
@@ -185,7 +197,7 @@ def main():
         if not os.path.isfile(os.path.join(init, "config.json")):
             from kdcache.demo.run import FULL, student_config
             student_config(os.path.join(ROOT, "runs", "demo"), teacher, FULL)
-        trows = train_trials(args, work, os.path.join(work, "pre-ref"), init, rng)
+        trows = train_trials(args, work, os.path.join(work, "pre-ref"), init, rng) if args.train_trials else []
         print(f"\ntraining: {args.steps} steps, checkpoint every 5")
         print(f"{'trial':<40}{'exit':>6}{'logged':>8}{'resumed':>9}{'losses equal':>14}{'.tmp left':>10}")
         for r in trows:
@@ -199,6 +211,8 @@ def main():
               f"{sum(r['lost'] for r in rows)} samples lost, {sum(r['duplicated'] for r in rows)} duplicated")
         return 1 if failures else 0
     finally:
+        if server is not None:
+            server.stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 

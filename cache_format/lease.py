@@ -132,11 +132,19 @@ class Lease:
         self.release()
 
 
+def stamp_use(loc):
+    """Record that the cache at `loc` was used now (what `gc --unused-since` looks at); skipped if read-only."""
+    try:
+        loc.write_json(LAST_USED, {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid()})
+    except OSError:
+        pass
+
+
 def reader_lease(loc):
     """Announce a reading run on the cache at `loc` (shared; renewed until released) and stamp last use."""
     name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
     lease = Lease(loc, f"{READERS_DIR}/{name}", exclusive=False).acquire()
-    loc.write_json(LAST_USED, {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid()})
+    stamp_use(loc)
     return lease
 
 

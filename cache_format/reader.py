@@ -2,6 +2,7 @@
 import bisect
 import os
 import time
+import warnings
 from collections import OrderedDict
 
 from .backends import READERS
@@ -31,7 +32,11 @@ class Cache:
         self._lease = None
         if track_use:
             load_manifest(self.location)      # not a cache: fail before leaving any trace in the directory
-            self._lease = reader_lease(self.location)
+            try:
+                self._lease = reader_lease(self.location)
+            except OSError as e:              # read-only access: read anyway, but gc cannot see this run
+                warnings.warn(f"{self.directory}: cannot announce this reader ({e}); `kdcache gc` will not "
+                              "know the cache is in use", stacklevel=2)
         try:
             self.manifest = self._load(retry=track_use)
         except BaseException:

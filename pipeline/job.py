@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import replace
 
 from cache_format import CacheError, CacheWriter, hash_json, hash_tree
+from cache_format.lease import stamp_use
 from cache_format.location import Location
 from cache_format.store import is_store
 from cache_format.store import resolve as resolve_in_store
@@ -183,6 +184,7 @@ def run_precompute(cfg):
     if done is not None and done["complete"]:
         print(f"{cfg.out}: a complete cache of these inputs exists (fingerprint {fp[:16]}); reusing it: "
               "nothing to do, no teacher work.")
+        stamp_use(Location(cfg.out))
         return _reused_summary(cfg, done, t_start)
 
     out = Location(cfg.out)

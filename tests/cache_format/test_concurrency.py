@@ -34,6 +34,7 @@ def _poll_growing(path, q, timeout=300):
         seen = max(seen, cache.num_shards)
         if cache.complete:
             break
+        time.sleep(0.2)             # poll, do not spin: the writer shares the two cores
     q.put(("poller", seen, problems))
 
 

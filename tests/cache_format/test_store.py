@@ -131,3 +131,18 @@ def test_gc_cli_needs_a_criterion_and_reports(tmp_path, capsys):
     assert gc_main([root, "--incomplete-older-than", "0s"]) == 0
     out = capsys.readouterr().out
     assert "removed       half--" in out and "removed 1 cache(s)" in out and names(root) == []
+
+
+def test_a_read_only_cache_is_still_readable(tmp_path, monkeypatch):
+    """Without write access (a shared read-only mount, read-only credentials) a run reads anyway, with a warning."""
+    d = tmp_path / "ro"
+    write_cache(d, make_records(8, seed=3), shard_size=4, **writer_kwargs("arrow"))
+
+    def refuse(self, rel, data, **kw):
+        raise PermissionError(13, "Permission denied", self.path(rel))
+
+    monkeypatch.setattr(Location, "write_bytes", refuse)
+    with pytest.warns(UserWarning, match="cannot announce this reader"):
+        cache = open_cache(d, track_use=True)
+    assert len(list(cache)) == 8
+    cache.close()
