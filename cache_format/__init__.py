@@ -1,6 +1,7 @@
-"""kdcache logit-cache format: writers, readers, manifest, fingerprint, verify.
+"""kdcache logit-cache format: writers, readers, manifest, fingerprint, verify, stores.
 
-Depends only on numpy, pyarrow and zarr. The byte layout is in SPEC.md.
+Depends on numpy, pyarrow and zarr; caches at URLs (s3://, gs://, memory://) also on fsspec,
+imported only when a URL is used. The byte layout is in SPEC.md.
 """
 from .errors import CacheError, FingerprintError, LockedError, ManifestError, RecordError, ShardError  # noqa: F401
 from .fingerprint import fingerprint, hash_file, hash_json, hash_tree  # noqa: F401

@@ -21,8 +21,7 @@ def inspect_main(argv=None):
     try:
         m = load_manifest(args.cache)
     except CacheError as e:
-        hint = f"\n{args.cache} is a store: `kdcache ls {args.cache}` lists its caches" if is_store(args.cache) else ""
-        print(f"error: {e}{hint}", file=sys.stderr)
+        print(f"error: {e}{_store_hint(args.cache)}", file=sys.stderr)
         return 2
     c = m["counts"]
     derived = {
@@ -59,6 +58,13 @@ def inspect_main(argv=None):
         print(f"{s['path']:<24} {s['num_samples']:>8} {rng:>15} {s['num_tokens']:>10} "
               f"{s['num_positions']:>10} {s['bytes'] / 1e6:>8.2f}")
     return 0
+
+
+def _store_hint(path):
+    try:
+        return f"\n{path} is a store: `kdcache ls {path}` lists its caches" if is_store(path) else ""
+    except (CacheError, OSError):
+        return ""
 
 
 def verify_main(argv=None):

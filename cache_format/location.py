@@ -13,6 +13,7 @@ import shutil
 import tempfile
 
 from .atomic import atomic_write_bytes, crash_point, remove
+from .errors import CacheError
 
 
 class ConflictError(OSError):
@@ -48,7 +49,10 @@ class Location:
             opts = dict(self.storage_options)
             if self.protocol in ("s3", "s3a", "gs", "gcs", "az", "abfs"):
                 opts.setdefault("use_listings_cache", False)   # other processes write here: always ask the store
-            self._fs, _ = fsspec.core.url_to_fs(self.url, **opts)
+            try:
+                self._fs, _ = fsspec.core.url_to_fs(self.url, **opts)
+            except (ImportError, ValueError) as e:     # gs:// without gcsfs, an unknown scheme
+                raise CacheError(f"{self.url}: {e}") from e
         return self._fs
 
     @property
@@ -152,26 +156,6 @@ class Location:
         except FileNotFoundError:
             return []
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
-
-    def info(self, rel=""):
-        """{'size': bytes, 'mtime': unix seconds or None, 'type': 'file'|'directory'}; FileNotFoundError if absent."""
-        if not self.remote:
-            st = os.stat(self.path(rel))
-            return {"size": st.st_size, "mtime": st.st_mtime, "type": "directory" if os.path.isdir(self.path(rel))
-                    else "file"}
-        i = self.fs.info(self.path(rel))
-        m = i.get("LastModified") or i.get("mtime") or i.get("created")
-        mtime = m.timestamp() if hasattr(m, "timestamp") else (float(m) if m else None)
-        return {"size": int(i.get("size") or 0), "mtime": mtime, "type": i.get("type", "file")}
-
-    def tree_size(self, rel=""):
-        """Bytes under rel (a file or a directory)."""
-        if not self.remote:
-            p = self.path(rel)
-            if os.path.isfile(p):
-                return os.path.getsize(p)
-            return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
-        return int(self.fs.du(self.path(rel), total=True))
 
     def newest_mtime(self, rel=""):
         """Latest modification time (unix seconds) of anything under rel; None if it holds nothing."""

@@ -9,7 +9,17 @@ import time
 import numpy as np
 import pytest
 
-from cache_format import CacheWriter, LockedError, ShardError, open_cache, verify_cache, write_cache, write_shard_file
+from cache_format import (
+    CacheError,
+    CacheWriter,
+    LockedError,
+    ShardError,
+    open_cache,
+    verify_cache,
+    write_cache,
+    write_shard_file,
+)
+from cache_format.cli import inspect_main, verify_main
 from cache_format.fetch import ShardFetcher
 from cache_format.lease import live_readers
 from cache_format.location import Location
@@ -34,8 +44,14 @@ def test_round_trip_on_s3(bucket, backend):
     assert same(cache[37], recs[37])                                    # random access too
     rep = verify_cache(url)
     assert rep.ok and rep.shards_checked == 4 and rep.samples_checked == 50, rep.problems
+    assert inspect_main([url]) == 0 and verify_main([url]) == 0
     cache.close()
     assert not os.path.exists(cache._fetcher.dir)                       # local copies go with the reader
+
+
+def test_unknown_scheme_is_a_clear_error():
+    with pytest.raises(CacheError, match="nosuchfs://"):
+        open_cache("nosuchfs://bucket/cache")
 
 
 def test_memory_url_round_trip():
