@@ -1,10 +1,12 @@
 """Remote shards on local disk: a bounded LRU directory, filled ahead of the reader, checksummed on arrival.
 
-One per reading process (a temporary directory removed when the reader goes away), so many
-readers of one remote cache never coordinate. A shard is downloaded whole (beside its final
+One per reading process (a temporary directory removed when the reader goes away, or by the next
+reader on the machine if its process was killed), so many readers of one remote cache never
+coordinate. A shard is downloaded whole (beside its final
 name, then renamed), its sha256 checked against the manifest, then opened like a local one.
 """
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -15,16 +17,26 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .errors import ShardError
 from .fingerprint import hash_tree
+from .lease import pid_alive
 
 DEFAULT_BYTES = int(float(os.environ.get("KDCACHE_FETCH_BYTES", 8 * 2**30)))
 RETRIES = 3
+
+
+def _sweep_dead(base):
+    """Remove shard directories left by reading processes that were killed (kill -9 skips cleanup)."""
+    for name in os.listdir(base):
+        m = re.match(r"kdcache-shards-(\d+)-", name)
+        if m and not pid_alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 
 class ShardFetcher:
     def __init__(self, loc, shards, *, directory=None, max_bytes=None, workers=4, pinned=None):
         self.loc, self.shards = loc, shards
         self.max_bytes = int(max_bytes or DEFAULT_BYTES)
-        self.dir = tempfile.mkdtemp(prefix="kdcache-shards-", dir=directory)
+        _sweep_dead(directory or tempfile.gettempdir())
+        self.dir = tempfile.mkdtemp(prefix=f"kdcache-shards-{os.getpid()}-", dir=directory)
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kdcache-fetch")
         self._futures = {}                 # j -> Future of the local path

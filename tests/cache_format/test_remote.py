@@ -216,3 +216,15 @@ def test_many_readers_at_once_without_coordination(bucket):
     assert all(kind == "ok" for kind, _ in results), results
     assert all(ids == sorted(list(range(60)) * 2) for _, ids in results)
     assert live_readers(Location(url)) == []                   # leases withdrawn at close
+
+
+def test_shard_directory_of_a_killed_reader_is_swept(bucket, tmp_path):
+    url = f"{bucket}/c"
+    m = write_cache(url, make_records(8, seed=13), shard_size=4, **writer_kwargs("arrow"))
+    left = tmp_path / f"kdcache-shards-{dead_pid()}-abcd1234"
+    (left / "shards").mkdir(parents=True)
+    mine = tmp_path / f"kdcache-shards-{os.getpid()}-live0000"       # a live process's: kept
+    mine.mkdir()
+    f = ShardFetcher(Location(url), m["shards"], directory=str(tmp_path))
+    assert not left.exists() and mine.exists() and os.path.isdir(f.dir)
+    f.close()
