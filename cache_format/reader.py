@@ -13,6 +13,7 @@ from .location import as_location
 from .manifest import load_manifest, safe_shard_path
 
 OPEN_SHARDS = 4  # shard readers kept open for random access
+READ_AHEAD = 4   # shards a remote cache downloads ahead of a sequential reader
 
 
 class Cache:
@@ -150,6 +151,7 @@ class Cache:
 
     def __iter__(self):
         for j in range(self.num_shards):
+            self.prefetch(range(j, min(j + 1 + READ_AHEAD, self.num_shards)))
             yield from self.iter_shard(j)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from cache_format import CacheError, ShardError, open_cache
+from cache_format.reader import READ_AHEAD
 
 
 class DataStateError(CacheError):
@@ -21,7 +22,7 @@ class DataStateError(CacheError):
 
 class CacheStream:
     def __init__(self, cache_dir, *, rank=0, world=1, seed=0, shuffle=True, batch_size=8, max_tokens=0,
-                 prefetch=2, epochs=None, skip_damaged=False, track_use=False, readahead=4):
+                 prefetch=2, epochs=None, skip_damaged=False, track_use=False, readahead=READ_AHEAD):
         self.cache = open_cache(cache_dir, track_use=track_use)
         if self.cache.num_shards < world:
             raise DataStateError(f"{cache_dir}: {self.cache.num_shards} shard(s) cannot feed {world} ranks; "
