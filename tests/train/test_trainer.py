@@ -160,14 +160,17 @@ def two_process_run(setup, out, stage):
     return losses(out)
 
 
-def test_two_processes_on_gloo_zero0_and_zero3_agree(setup, tmp_path):
+def test_two_ranks_zero0_from_disk_and_zero3_from_s3_agree(setup, tmp_path, bucket):
     rows = two_process_run(setup, tmp_path / "z0", 0)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     ck = tmp_path / "z0" / "checkpoints" / "step-00000004"
     assert (ck / "rank-00000.json").exists() and (ck / "rank-00001.json").exists()
     assert json.load(open(ck / "complete.json"))["world_size"] == 2
     # ZeRO-3 partitions the weights over the two ranks: same losses, and the saved student is whole.
-    rows3 = two_process_run(setup, tmp_path / "z3", 3)
+    # This run's two ranks read the same cache from S3, each on its own, with the same result.
+    from tests.helpers.s3server import upload_dir
+    remote = dict(setup, cache=upload_dir(setup["cache"], f"{bucket}/cache"))
+    rows3 = two_process_run(remote, tmp_path / "z3", 3)
     for a, b in zip(rows, rows3):
         assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(a["loss"])), (a, b)
     from safetensors.torch import load_file
