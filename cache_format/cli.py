@@ -20,7 +20,7 @@ def inspect_main(argv=None):
     args = p.parse_args(argv)
     try:
         m = load_manifest(args.cache)
-    except CacheError as e:
+    except (CacheError, OSError) as e:
         print(f"error: {e}{_store_hint(args.cache)}", file=sys.stderr)
         return 2
     c = m["counts"]
@@ -75,7 +75,11 @@ def verify_main(argv=None):
     p.add_argument("--quick", action="store_true", help="checksums and sizes only; skip decoding records")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
-    rep = verify_cache(args.cache, structure=not args.quick)
+    try:
+        rep = verify_cache(args.cache, structure=not args.quick)
+    except (CacheError, OSError) as e:      # the store itself failed (network, permissions)
+        print(f"error: {args.cache}: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({"ok": rep.ok, "problems": rep.problems, "warnings": rep.warnings,
                           "shards_checked": rep.shards_checked, "samples_checked": rep.samples_checked}))

@@ -6,7 +6,6 @@ coordinate. A shard is downloaded whole (beside its final
 name, then renamed), its sha256 checked against the manifest, then opened like a local one.
 """
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -17,51 +16,56 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .errors import ShardError
 from .fingerprint import hash_tree
-from .lease import pid_alive
+from .lease import sweep_dead_dirs
 
 DEFAULT_BYTES = int(float(os.environ.get("KDCACHE_FETCH_BYTES", 8 * 2**30)))
 RETRIES = 3
-
-
-def _sweep_dead(base):
-    """Remove shard directories left by reading processes that were killed (kill -9 skips cleanup)."""
-    for name in os.listdir(base):
-        m = re.match(r"kdcache-shards-(\d+)-", name)
-        if m and not pid_alive(int(m.group(1))):
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 
 class ShardFetcher:
     def __init__(self, loc, shards, *, directory=None, max_bytes=None, workers=4, pinned=None):
         self.loc, self.shards = loc, shards
         self.max_bytes = int(max_bytes or DEFAULT_BYTES)
-        _sweep_dead(directory or tempfile.gettempdir())
+        sweep_dead_dirs(directory or tempfile.gettempdir(), "kdcache-shards-")
         self.dir = tempfile.mkdtemp(prefix=f"kdcache-shards-{os.getpid()}-", dir=directory)
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kdcache-fetch")
         self._futures = {}                 # j -> Future of the local path
         self._present = OrderedDict()      # j -> bytes on disk, least recently used first
+        self._consumed = set()             # shards handed to the reader at least once
         self._lock = threading.Lock()
         self._pinned = pinned or (lambda: ())
         self.downloaded_bytes = 0
 
-    def prefetch(self, js):
-        """Start downloading these shard positions in the background (no-op for ones already here)."""
+    def prefetch(self, js, force=False):
+        """Start downloading these shard positions in the background, in order, while they fit the budget
+        (bytes on disk plus bytes in flight). Shards already read make room first; unread ones never do."""
         with self._lock:
             for j in js:
                 f = self._futures.get(j)
-                if f is None or (f.done() and f.exception() is not None):
-                    self._futures[j] = self._pool.submit(self._download, j)
+                if f is not None and not (f.done() and f.exception() is not None):
+                    continue
+                need = self.shards[j]["bytes"]
+                if not force:
+                    self._evict(room=need, consumed_only=True)
+                    used = sum(self._present.values()) + self._inflight()
+                    if used and used + need > self.max_bytes:
+                        break              # the rest of the read-ahead waits for room
+                self._futures[j] = self._pool.submit(self._download, j)
 
     def get(self, j):
         """Local path of shard position j, downloading it now if it is not here yet."""
-        self.prefetch([j])
+        self.prefetch([j], force=True)
         path = self._futures[j].result()
         with self._lock:
+            self._consumed.add(j)
             if j in self._present:
                 self._present.move_to_end(j)
             self._evict(keep=j)
         return path
+
+    def _inflight(self):
+        return sum(self.shards[j]["bytes"] for j, f in self._futures.items() if not f.done())
 
     def _download(self, j):
         info = self.shards[j]
@@ -86,17 +90,22 @@ class ShardFetcher:
             self.downloaded_bytes += info["bytes"]
         return local
 
-    def _evict(self, keep):
-        """Drop least recently used shards until under budget; never `keep`, pinned or in-flight ones."""
-        total = sum(self._present.values())
+    def _evict(self, keep=None, room=0, consumed_only=False):
+        """Drop shards until `room` more bytes fit the budget: read ones first (least recently used),
+        then, unless consumed_only, unread ones. Never `keep`, pinned or in-flight shards."""
+        total = sum(self._present.values()) + self._inflight()
         busy = set(self._pinned()) | {keep} | {j for j, f in self._futures.items() if not f.done()}
-        for j in list(self._present):
-            if total <= self.max_bytes:
+        order = [j for j in self._present if j in self._consumed]
+        if not consumed_only:
+            order += [j for j in self._present if j not in self._consumed]
+        for j in order:
+            if total + room <= self.max_bytes:
                 break
             if j in busy:
                 continue
             total -= self._present.pop(j)
             self._futures.pop(j, None)
+            self._consumed.discard(j)
             path = os.path.join(self.dir, *self.shards[j]["path"].split("/"))
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
 

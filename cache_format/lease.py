@@ -8,7 +8,10 @@ put) on object stores; every reading run holds a shared one (`.readers/<id>.json
 can see that a cache is in use without readers coordinating with each other.
 """
 import os
+import re
+import shutil
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -31,12 +34,43 @@ def pid_alive(pid):
     return True
 
 
+def pid_namespace():
+    """This process's PID namespace ('pid:[4026531836]'): containers sharing a host name differ here."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def sweep_dead_dirs(base, prefix):
+    """Remove directories `<prefix><pid>-...` under base whose process is gone (kill -9 skips cleanup).
+
+    Make such directories with tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base).
+    """
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        m = re.match(re.escape(prefix) + r"(\d+)-", name)
+        if m and not pid_alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+
+
+def _expires(info):
+    try:
+        return float(info.get("expires", 0))
+    except (TypeError, ValueError):
+        return 0.0
+
+
 def is_live(info, now=None):
     """True while the lease's holder may still be running."""
     now = time.time() if now is None else now
-    if not isinstance(info, dict) or float(info.get("expires", 0)) <= now:
+    if not isinstance(info, dict) or _expires(info) <= now:
         return False
-    if info.get("host") == socket.gethostname() and not pid_alive(info.get("pid")):
+    same_machine = info.get("host") == socket.gethostname() and info.get("pidns") == pid_namespace()
+    if same_machine and not pid_alive(info.get("pid")):
         return False
     return True
 
@@ -44,7 +78,7 @@ def is_live(info, now=None):
 def describe(info, now=None):
     now = time.time() if now is None else now
     return (f"pid {info.get('pid')} on {info.get('host')}, lease expires in "
-            f"{max(0.0, float(info.get('expires', 0)) - now):.0f} s")
+            f"{max(0.0, _expires(info) - now):.0f} s")
 
 
 class Lease:
@@ -54,14 +88,14 @@ class Lease:
         self.loc, self.rel, self.exclusive = loc, rel, exclusive
         self.ttl = float(ttl or TTL)
         self.owner = uuid.uuid4().hex
-        self.started = time.time()
+        self.started = self._renewed = time.time()
         self.lost = False
         self._etag = None
         self._stop = threading.Event()
         self._thread = None
 
     def _body(self):
-        return {"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
+        return {"owner": self.owner, "host": socket.gethostname(), "pidns": pid_namespace(), "pid": os.getpid(),
                 "started": self.started, "expires": time.time() + self.ttl}
 
     def acquire(self):
@@ -81,9 +115,12 @@ class Lease:
                 return
             except ConflictError:
                 pass
-            try:
-                held, etag = self.loc.read_json(self.rel), self.loc.etag(self.rel)
-            except FileNotFoundError:
+            try:    # the tag first: if the holder renews meanwhile, taking over that tag fails below
+                etag = self.loc.etag(self.rel)
+                held = self.loc.read_json(self.rel)
+            except (FileNotFoundError, ValueError):
+                continue
+            if etag is None:
                 continue
             if is_live(held):
                 raise LockedError(f"{where}: the cache is being written by another process ({describe(held)}). "
@@ -104,9 +141,14 @@ class Lease:
                     self._etag = tag
             except ConflictError:
                 self.lost = True
+                print(f"kdcache: lost the lease {self.loc.path(self.rel)} to another process", file=sys.stderr)
                 return
-            except OSError:
-                continue           # a transient storage error: try again next beat, the TTL leaves room
+            except OSError as e:   # transient, we hope: try again next beat; say so, and say when it lapses
+                lapsed = time.time() - self._renewed > self.ttl
+                print(f"kdcache: cannot renew the lease {self.loc.path(self.rel)} ({e})"
+                      + ("; it has lapsed: gc may now treat this cache as unused" if lapsed else ""), file=sys.stderr)
+                continue
+            self._renewed = time.time()
 
     def check(self):
         """Raise if the lease was lost (another process took it over after it lapsed)."""

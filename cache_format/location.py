@@ -7,6 +7,7 @@ only when the manifest, written last, lists it. Where the store offers condition
 If-None-Match / If-Match), the lock is created exclusively and the manifest is only replaced
 if nobody else replaced it since this writer last wrote it.
 """
+import hashlib
 import json
 import os
 import shutil
@@ -84,22 +85,29 @@ class Location:
     def read_json(self, rel):
         return json.loads(self.read_bytes(rel).decode("utf-8"))
 
+    @property
+    def conditional(self):
+        """Whether the store itself enforces conditional puts (S3 If-None-Match / If-Match)."""
+        return self.protocol in ("s3", "s3a")
+
     def etag(self, rel):
-        """A version tag of a remote object (S3 ETag), or None where the store has none."""
+        """Version tag of a remote object: S3's ETag, elsewhere the sha256 of its bytes. None if absent or local."""
         if not self.remote:
             return None
         try:
-            return self.fs.info(self.path(rel)).get("ETag")
+            if self.conditional:
+                return self.fs.info(self.path(rel)).get("ETag")
+            return hashlib.sha256(self.read_bytes(rel)).hexdigest()
         except FileNotFoundError:
             return None
 
     def write_bytes(self, rel, data: bytes, *, exclusive=False, if_match=None):
         """Write an object whole. exclusive: fail if it exists; if_match: only replace that version.
 
-        Returns the new version tag (S3 ETag) or None. Raises ConflictError when a condition fails.
-        Locally the write is temp + fsync + rename (conditions are for object stores; local writers
-        are serialised by flock). On stores without conditional puts the conditions are checked by
-        reading first, which narrows but does not close the race (S3 closes it).
+        Returns the new version tag (see etag; None locally). Raises ConflictError when a condition
+        fails. Locally the write is temp + fsync + rename (conditions are for object stores; local
+        writers are serialised by flock). On stores without conditional puts the conditions are
+        checked by reading first, which narrows but does not close the race (S3 closes it).
         """
         if not self.remote:
             path = self.path(rel)
@@ -122,26 +130,33 @@ class Location:
         crash_point("before-replace-" + rel.rsplit("/", 1)[-1])
         path = self.path(rel)
         kwargs = {}
-        if self.protocol in ("s3", "s3a"):
+        if self.conditional:
             if if_match:
                 kwargs["IfMatch"] = if_match
             if exclusive:
                 kwargs["mode"] = "create"
-        else:
-            if exclusive and self.fs.exists(path):
+        elif exclusive or if_match:          # no conditional puts here: check by reading first
+            current = self.etag(rel)
+            if exclusive and current is not None:
                 raise ConflictError(f"{path} exists")
-            if if_match and self.etag(rel) not in (None, if_match):
-                raise ConflictError(f"{path} changed since it was last written")
+            if if_match and current != if_match:
+                raise ConflictError(f"{path} changed or vanished since it was last written")
         try:
             out = self.fs.pipe_file(path, data, **kwargs)
         except FileExistsError as e:
             raise ConflictError(f"{path} exists") from e
+        except FileNotFoundError as e:     # S3 If-Match on a key that is gone
+            if if_match:
+                raise ConflictError(f"{path} vanished since it was last written") from e
+            raise
         except OSError as e:
             if "precondition" in str(e).lower() or (getattr(e, "errno", None) == 22 and if_match):
                 raise ConflictError(f"{path} changed since it was last written ({e})") from e
             raise
         self.fs.invalidate_cache(path)
-        return out.get("ETag") if isinstance(out, dict) else self.etag(rel)
+        if self.conditional:
+            return out.get("ETag") if isinstance(out, dict) else self.etag(rel)
+        return hashlib.sha256(data).hexdigest()
 
     def write_json(self, rel, obj, **kw):
         return self.write_bytes(rel, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8"), **kw)

@@ -20,8 +20,9 @@ SHARD_REQUIRED = ("index", "path", "sample_start", "sample_end", "num_samples", 
                   "num_positions", "bytes", "sha256")
 
 
-def shard_name(index: int, backend_ext: str) -> str:
-    return f"{SHARD_DIR}/shard-{index:05d}.{backend_ext}"
+def shard_name(index: int, backend_ext: str, tag: str | None = None) -> str:
+    """shards/shard-00003.arrow; with a writer tag (object stores) shards/shard-00003-1a2b3c4d.arrow."""
+    return f"{SHARD_DIR}/shard-{index:05d}{'-' + tag if tag else ''}.{backend_ext}"
 
 
 def new_manifest(*, backend, top_k, vocab_size, eos_token_ids, fingerprint, fingerprint_parts,

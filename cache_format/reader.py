@@ -38,25 +38,25 @@ class Cache:
             except OSError as e:              # read-only access: read anyway, but gc cannot see this run
                 warnings.warn(f"{self.directory}: cannot announce this reader ({e}); `kdcache gc` will not "
                               "know the cache is in use", stacklevel=2)
-        try:
-            self.manifest = self._load(retry=track_use)
-        except BaseException:
-            self.close()
-            raise
-        self.shards = self.manifest["shards"]
-        self.top_k = self.manifest["top_k"]
-        self._reader_cls = READERS.get(self.manifest["backend"])
-        if self._reader_cls is None:
-            raise ShardError(f"{self.directory}: unknown backend {self.manifest['backend']!r}")
-        self._starts = [0]
-        for s in self.shards:
-            self._starts.append(self._starts[-1] + s["num_samples"])
         self._open = OrderedDict()
         self._fetcher = None
-        if self.location.remote:
-            from .fetch import ShardFetcher
-            self._fetcher = ShardFetcher(self.location, self.shards, max_bytes=fetch_bytes, directory=fetch_dir,
-                                         pinned=lambda: list(self._open))
+        try:
+            self.manifest = self._load(retry=track_use)
+            self.shards = self.manifest["shards"]
+            self.top_k = self.manifest["top_k"]
+            self._reader_cls = READERS.get(self.manifest["backend"])
+            if self._reader_cls is None:
+                raise ShardError(f"{self.directory}: unknown backend {self.manifest['backend']!r}")
+            self._starts = [0]
+            for s in self.shards:
+                self._starts.append(self._starts[-1] + s["num_samples"])
+            if self.location.remote:
+                from .fetch import ShardFetcher
+                self._fetcher = ShardFetcher(self.location, self.shards, max_bytes=fetch_bytes, directory=fetch_dir,
+                                             pinned=lambda: list(self._open))
+        except BaseException:
+            self.close()                      # no lease or download threads left behind
+            raise
 
     def _load(self, retry):
         # A reader that announced itself may catch `gc` between removing the manifest and
@@ -122,8 +122,8 @@ class Cache:
             self._fetcher.prefetch(js)
 
     def close(self):
-        getattr(self, "_open", {}).clear()
-        if getattr(self, "_fetcher", None) is not None:
+        self._open.clear()
+        if self._fetcher is not None:
             self._fetcher.close()
         if self._lease is not None:
             self._lease.release()

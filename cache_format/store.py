@@ -9,19 +9,23 @@ found incomplete, it is resumed; otherwise a new one is started under the alias.
 caches, `gc` removes incomplete or unused ones, never one that a run is writing or reading.
 """
 import calendar
+import fcntl
+import os
 import re
 import time
 from dataclasses import dataclass, field
 
 from .errors import CacheError, LockedError
-from .lease import LAST_USED, Lease, is_live, live_readers
+from .lease import LAST_USED, READERS_DIR, Lease, is_live, live_readers
 from .location import ConflictError, as_location
 from .lock import LOCK_NAME, DirLock
 from .manifest import MANIFEST_NAME, load_manifest
 
 STORE_MARKER = "kdcache-store.json"
+CLAIMS_DIR = ".claims"
 SEP = "--"
 ID_LEN = 16
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]+--[0-9a-f]{16}$")
 
 
 def is_store(where):
@@ -46,20 +50,42 @@ def cache_name(alias, fingerprint):
     return f"{slug(alias)}{SEP}{fingerprint[:ID_LEN]}"
 
 
+def is_cache_name(name):
+    return bool(NAME_RE.match(name))
+
+
+def _claim(fingerprint):
+    return f"{CLAIMS_DIR}/{fingerprint[:ID_LEN]}.json"
+
+
 def find_cache(where, fingerprint):
     """Name of the cache in the store made from these inputs (any alias), or None."""
-    suffix = SEP + fingerprint[:ID_LEN]
-    for name in as_location(where).list():
-        if name.endswith(suffix):
-            return name
-    return None
+    loc = as_location(where)
+    try:
+        return loc.read_json(_claim(fingerprint))["name"]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        pass
+    suffix = SEP + fingerprint[:ID_LEN]          # a cache copied in by hand has no claim
+    return next((n for n in loc.list() if n.endswith(suffix) and is_cache_name(n)), None)
 
 
 def resolve(where, fingerprint, alias):
-    """(URL or path of the cache for this fingerprint, whether it already existed). Creates the store marker."""
+    """(URL or path of the cache for this fingerprint, whether it already existed). Creates the store marker.
+
+    A new name is claimed with an exclusive write of .claims/<fingerprint[:16]>.json, so two jobs
+    started at once with the same inputs (under any aliases) agree on one cache; the writer lock
+    then lets only one of them run the teacher.
+    """
     loc = init_store(where)
     name = find_cache(loc, fingerprint)
-    return loc.path(name or cache_name(alias, fingerprint)), name is not None
+    if name is not None:
+        return loc.path(name), True
+    name = cache_name(alias, fingerprint)
+    try:
+        loc.write_json(_claim(fingerprint), {"name": name, "fingerprint": fingerprint}, exclusive=True)
+    except ConflictError:
+        name = loc.read_json(_claim(fingerprint))["name"]
+    return loc.path(name), False
 
 
 def parse_time(stamp):
@@ -93,21 +119,35 @@ class Entry:
 
 
 def _writer_live(loc):
-    """Whether a precompute holds this cache now."""
+    """Whether a precompute holds this cache now (looked at without writing anything)."""
     if not loc.remote:
-        lock = DirLock(loc.url)
+        path = loc.path(LOCK_NAME)
         try:
-            lock.acquire()
-        except LockedError:
-            return True
-        except OSError:           # gone, or a read-only store: nobody can be writing through this path
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
             return False
-        lock.release()
-        return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)    # conflicts only with a writer's exclusive lock
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
     try:
         return is_live(loc.read_json(LOCK_NAME))
     except (FileNotFoundError, ValueError):
         return False
+
+
+BOOKKEEPING = (LOCK_NAME, READERS_DIR, LAST_USED)
+
+
+def _last_write(c):
+    """Newest modification time of the cache's content (locks, leases and use stamps aside)."""
+    times = [c.newest_mtime(n) for n in c.list() if n not in BOOKKEEPING]
+    times = [t for t in times if t is not None]
+    return max(times) if times else None
 
 
 def describe_cache(loc, name):
@@ -115,11 +155,13 @@ def describe_cache(loc, name):
     e = Entry(name=name, url=c.url)
     try:
         e.manifest = load_manifest(c)
-        e.updated = parse_time(e.manifest["updated"])
     except CacheError as err:
         if "no manifest" not in str(err):
             e.error = str(err)
-        e.updated = c.newest_mtime()
+    try:
+        e.updated = parse_time(e.manifest["updated"])
+    except (TypeError, KeyError, ValueError):
+        e.updated = _last_write(c)
     e.readers = live_readers(c)
     e.writing = _writer_live(c)
     used = [e.updated or 0.0]
@@ -132,16 +174,12 @@ def describe_cache(loc, name):
 
 
 def list_caches(where):
-    """Every cache directory in the store (anything holding a manifest, shards or a lock), as Entries."""
+    """Every cache in the store (children named <alias>--<16 hex digits>), as Entries."""
     loc = as_location(where)
     out = []
     for name in loc.list():
-        if name == STORE_MARKER or name.startswith("."):
-            continue
-        c = loc.child(name)
-        if not (c.exists(MANIFEST_NAME) or c.exists("shards") or c.exists(LOCK_NAME)):
-            continue
-        out.append(describe_cache(loc, name))
+        if is_cache_name(name):
+            out.append(describe_cache(loc, name))
     return out
 
 
@@ -177,9 +215,14 @@ def remove_cache(loc):
         for name in loc.list():
             if name != LOCK_NAME:
                 loc.remove(name)
+        if not loc.remote:                # the lock file goes last, while still held; a writer that
+            loc.remove(LOCK_NAME)         # starts now makes a new directory and a new lock
+            try:
+                os.rmdir(loc.url)
+            except OSError:
+                pass                      # something new appeared: it is not ours to delete
     finally:
-        lock.release()
-    loc.remove()
+        lock.release()                    # remote: deletes the lease object, the last object left
     return None
 
 
@@ -187,8 +230,11 @@ def gc(where, *, incomplete_older_than=None, unused_since=None, dry_run=False, n
     """Remove incomplete caches idle for more than `incomplete_older_than` seconds, and caches (complete
     or not) last used before `unused_since` (unix seconds). Returns [(Entry, action, reason)]."""
     now = time.time() if now is None else now
+    loc = as_location(where)
+    if not is_store(loc):
+        raise CacheError(f"{loc.url} is not a kdcache store (no {STORE_MARKER}); gc only works on stores")
     plan = []
-    for e in list_caches(where):
+    for e in list_caches(loc):
         why = None
         if e.state == "unreadable":
             plan.append((e, "kept", "manifest unreadable: inspect it by hand"))
@@ -208,7 +254,18 @@ def gc(where, *, incomplete_older_than=None, unused_since=None, dry_run=False, n
         else:
             kept = remove_cache(as_location(e.url))
             plan.append((e, "removed", why) if kept is None else (e, "kept", f"{why}, but {kept}"))
+            if kept is None:
+                _drop_claim(loc, e.name)
     return plan
+
+
+def _drop_claim(loc, name):
+    claim = f"{CLAIMS_DIR}/{name.rsplit(SEP, 1)[1]}.json"
+    try:
+        if loc.read_json(claim).get("name") == name:
+            loc.remove(claim)
+    except (FileNotFoundError, ValueError):
+        pass
 
 
 def _age(seconds):

@@ -27,15 +27,17 @@ from .record import check_record
 
 
 def write_shard_file(directory, index, records, *, backend, top_k, vocab_size,
-                     sample_start, sample_end, logprob_dtype="float16", codec=None):
+                     sample_start, sample_end, logprob_dtype="float16", codec=None, tag=None):
     """Check and write one shard atomically. Returns its manifest entry (not yet committed).
 
     sample_start/sample_end: the half-open range of dataset record indices this
     shard covers (records skipped as bad leave gaps; they are counted elsewhere).
+    tag: the writing job's id, part of the name on object stores (CacheWriter.shard_tag), so
+    that no upload can ever replace a committed shard object.
     """
     mod = get_backend(backend)
     checked = [check_record(r, top_k, vocab_size) for r in records]
-    rel = shard_name(index, mod.EXT)
+    rel = shard_name(index, mod.EXT, tag)
     loc = as_location(directory)
     kw = dict(top_k=top_k, logprob_dtype=logprob_dtype, codec=codec or DEFAULT_CODEC[backend])
     if not loc.remote:
@@ -112,6 +114,8 @@ class CacheWriter:
                           num_shards_planned=num_shards_planned, logprob_dtype=logprob_dtype, meta=meta)
         self._lock = (Lease(self.location, LOCK_NAME, exclusive=True) if self.location.remote
                       else DirLock(self.directory))
+        # Object stores: this job's shards carry its lease id in their names (see write_shard_file).
+        self.shard_tag = self._lock.owner[:8] if self.location.remote else None
         self._etag = None
         self.manifest = None
         self.resumed = False
@@ -121,7 +125,6 @@ class CacheWriter:
             os.makedirs(self.directory, exist_ok=True)
         self._lock.acquire()
         try:
-            self._sweep_temp_files()
             if self.location.exists(MANIFEST_NAME):
                 self.manifest = load_manifest(self.location)
                 self._check_same(self.manifest)
@@ -130,16 +133,21 @@ class CacheWriter:
             else:
                 self.manifest = new_manifest(**self._init)
                 self._save(exclusive=self.location.remote)
+            self._sweep_leftovers()
         except BaseException:
             self._lock.release()
             raise
         return self
 
-    def _sweep_temp_files(self):
-        """Remove temp files of shards whose writer was killed mid-write (we hold the lock: none is running)."""
+    def _sweep_leftovers(self):
+        """Remove what killed writers left (we hold the lock: none is running): temp files of shards
+        written half-way, and on object stores uploaded shards that were never committed."""
+        listed = {s["path"] for s in self.manifest["shards"]}
         for name in self.location.list(SHARD_DIR):
-            if name.startswith(".") and ".tmp-" in name:
-                self.location.remove(f"{SHARD_DIR}/{name}")
+            rel = f"{SHARD_DIR}/{name}"
+            temp = name.startswith(".") and ".tmp-" in name
+            if temp or (self.location.remote and rel not in listed):
+                self.location.remove(rel)
 
     def _check_same(self, old):
         new = self._init
@@ -154,8 +162,8 @@ class CacheWriter:
     def write_shard(self, index, records, *, sample_start, sample_end):
         """Write one shard in this process and commit it (convenience for single-process jobs)."""
         info = write_shard_file(self.directory, index, records, backend=self.backend, top_k=self.top_k,
-                                vocab_size=self.vocab_size, sample_start=sample_start,
-                                sample_end=sample_end, logprob_dtype=self.logprob_dtype, codec=self.codec)
+                                vocab_size=self.vocab_size, sample_start=sample_start, sample_end=sample_end,
+                                logprob_dtype=self.logprob_dtype, codec=self.codec, tag=self.shard_tag)
         self.commit(info)
         return info
 

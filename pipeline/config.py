@@ -38,7 +38,7 @@ class PrecomputeConfig:
     batch_tokens: int = field(8192, "tokens per teacher forward batch")
     dtype: str = field("auto", "teacher compute dtype: auto = float32 on CPU, bfloat16 on GPU",
                        choices=("auto", "float32", "bfloat16", "float16"))
-    ray_address: str | None = field(None, "existing Ray cluster (default: start a local Ray for the job)")
+    ray_address: str | None = field(None, "existing Ray cluster (default: $RAY_ADDRESS, else a local Ray for the job)")
     trust_remote_code: bool = field(False, "allow model code from the teacher directory to run")
     eos_tokens: list = field([], "extra end-of-turn token strings (YAML only)")
     gen_max_new_tokens: int = field(256, "generate mode: maximum new tokens")

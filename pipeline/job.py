@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import replace
@@ -146,13 +145,15 @@ def worker_gpus(cfg):
 
 
 def start_ray(cfg):
-    """Connect to cfg.ray_address, or start a local Ray bound to 127.0.0.1 for this job."""
+    """Connect to cfg.ray_address (or $RAY_ADDRESS), else start a Ray for this job on 127.0.0.1, even if
+    another one runs on this machine."""
     import ray
     if not ray.is_initialized():
-        if cfg.ray_address:
-            ray.init(address=cfg.ray_address, log_to_driver=False)
+        address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, log_to_driver=False)
         else:
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                      _node_ip_address="127.0.0.1", configure_logging=False)
     return ray
 
@@ -189,7 +190,7 @@ def run_precompute(cfg):
 
     out = Location(cfg.out)
     created = not out.remote and not os.path.exists(cfg.out)
-    spool = Spool(cfg.out if not out.remote else tempfile.gettempdir())
+    spool = Spool()
     try:
         return _job(cfg, t_start, tok_id, eos_ids, encoder, spool, backend, gpus, dtype, vocab_size, parts)
     finally:
@@ -232,8 +233,6 @@ def _job(cfg, t_start, tok_id, eos_ids, encoder, spool, backend, gpus, dtype, vo
                          eos_token_ids=eos_ids, fingerprint_parts=parts, num_shards_planned=n_units,
                          logprob_dtype=cfg.logprob_dtype, codec=cfg.codec, meta=meta)
     with writer:
-        if not writer.location.remote:
-            spool.remove_stale()          # left by a job killed before it could clean up; we hold the lock now
         _save_reports(cfg, skipped)
         todo = set(range(n_units)) - writer.done_indices()
         at_start = len(writer.manifest["shards"])
@@ -284,7 +283,7 @@ def _run_units(cfg, ray, gpus, writer, spool, todo, backend, dtype, vocab_size, 
                     break
                 j, items = nxt
                 w = free.pop(0)
-                unit = {"directory": writer.directory, "index": j, "items": items,
+                unit = {"directory": writer.directory, "shard_tag": writer.shard_tag, "index": j, "items": items,
                         "sample_start": j * cfg.shard_size, "sample_end": min((j + 1) * cfg.shard_size, n_records)}
                 pending[w.run.remote(unit)] = (w, j)
             if not pending:

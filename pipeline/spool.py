@@ -1,8 +1,11 @@
 """Encoded samples spooled to disk: tokenize once in the scan, stream them to the workers later.
 
-An Arrow IPC stream of (sample_id, input_ids, positions, truncated) in dataset order, under a
-dot-named directory in the output (ignored by cache readers) and deleted when the job ends. Keeps
-the driver's memory flat and its CPU free while the teacher runs.
+An Arrow IPC stream of (sample_id, input_ids, positions, truncated) in dataset order, in a
+directory kdcache-spool-<pid>-* under $KDCACHE_SPOOL_DIR or the system temp directory (set TMPDIR
+or KDCACHE_SPOOL_DIR to a large disk for big datasets), deleted when the job ends; one left by a
+killed job is deleted by the next job on the machine. Kept out of the cache itself, so nothing in
+the cache changes before the job holds the writer lock. Keeps the driver's memory flat and its
+CPU free while the teacher runs.
 """
 import os
 import shutil
@@ -11,15 +14,22 @@ import tempfile
 import numpy as np
 import pyarrow as pa
 
+from cache_format.lease import sweep_dead_dirs
+
 SCHEMA = pa.schema([("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32())),
                     ("positions", pa.list_(pa.int32())), ("truncated", pa.bool_())])
 BATCH = 1024
 
 
+PREFIX = "kdcache-spool-"
+
+
 class Spool:
-    def __init__(self, parent):
+    def __init__(self, parent=None):
+        parent = parent or os.environ.get("KDCACHE_SPOOL_DIR") or tempfile.gettempdir()
         os.makedirs(parent, exist_ok=True)
-        self.dir = tempfile.mkdtemp(prefix=".encoded-", dir=parent)
+        sweep_dead_dirs(parent, PREFIX)
+        self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
         self.path = os.path.join(self.dir, "encoded.arrow")
         self._sink = pa.OSFile(self.path, "wb")
         self._writer = pa.ipc.new_stream(self._sink, SCHEMA)
@@ -53,14 +63,6 @@ class Spool:
                 for r in range(batch.num_rows):
                     yield sid[r], ids[r].values.to_numpy().tolist(), \
                         pos[r].values.to_numpy(zero_copy_only=False).astype(np.int32), trunc[r]
-
-    def remove_stale(self):
-        """Delete other jobs' spools in the same directory. Call only while holding the writer lock."""
-        parent = os.path.dirname(self.dir)
-        for name in os.listdir(parent):
-            path = os.path.join(parent, name)
-            if name.startswith(".encoded-") and path != self.dir:
-                shutil.rmtree(path, ignore_errors=True)
 
     def delete(self):
         shutil.rmtree(self.dir, ignore_errors=True)

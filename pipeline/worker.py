@@ -39,7 +39,7 @@ class TeacherWorker:
                    for (sid, ids, p, trunc), (tid, tlp, tail) in zip(items, scored)]
         teacher_s = time.perf_counter() - t0
         info = write_shard_file(unit["directory"], unit["index"], records, sample_start=unit["sample_start"],
-                                sample_end=unit["sample_end"], **self.cache_kwargs)
+                                sample_end=unit["sample_end"], tag=unit.get("shard_tag"), **self.cache_kwargs)
         return {"info": info, "teacher_s": teacher_s, "write_s": time.perf_counter() - t0 - teacher_s,
                 "tokens": int(sum(len(s) for s in seqs))}
 

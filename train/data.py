@@ -25,6 +25,7 @@ class CacheStream:
                  prefetch=2, epochs=None, skip_damaged=False, track_use=False, readahead=READ_AHEAD):
         self.cache = open_cache(cache_dir, track_use=track_use)
         if self.cache.num_shards < world:
+            self.cache.close()
             raise DataStateError(f"{cache_dir}: {self.cache.num_shards} shard(s) cannot feed {world} ranks; "
                                  "each rank reads whole shards. Precompute with a smaller --shard-size.")
         self.rank, self.world, self.seed, self.shuffle = rank, world, seed, shuffle

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from cache_format import CacheWriter, open_cache, write_cache
+from cache_format import CacheError, CacheWriter, open_cache, write_cache
 from cache_format import store as store_mod
 from cache_format.cli import gc_main, ls_main
 from cache_format.location import Location
@@ -146,3 +146,63 @@ def test_a_read_only_cache_is_still_readable(tmp_path, monkeypatch):
         cache = open_cache(d, track_use=True)
     assert len(list(cache)) == 8
     cache.close()
+
+
+def test_gc_refuses_a_directory_that_is_not_a_store(tmp_path):
+    (tmp_path / "data" / "x--0123456789abcdef" / "shards").mkdir(parents=True)
+    with pytest.raises(CacheError, match="not a kdcache store"):
+        gc(str(tmp_path / "data"), incomplete_older_than=0)
+    assert (tmp_path / "data" / "x--0123456789abcdef").exists()
+
+
+def test_same_inputs_started_twice_under_two_aliases_share_one_cache(root):
+    fp, _ = cache_fingerprint({"teacher": "t", "data": "d9"}, backend="arrow", top_k=8)
+    a, found_a = resolve(root, fp, "first job")
+    b, found_b = resolve(root, fp, "second job")        # before the first has written anything
+    assert a == b and not found_a and found_b            # so the writer lock lets only one run the teacher
+
+
+def test_looking_writes_nothing_and_bookkeeping_is_not_activity(tmp_path):
+    import os
+    root = str(tmp_path / "store")
+    where, _ = add_cache(root, "half", "d2", shards_done=1)
+    lock = os.path.join(where, ".writer.lock")
+    before = open(lock, "rb").read()
+    old = time.time() - 10 * DAY
+    for d, _, files in os.walk(where):
+        for f in files:
+            os.utime(os.path.join(d, f), (old, old))
+    os.remove(os.path.join(where, "manifest.json"))     # killed before its first commit: no manifest
+    assert ls_main([root]) == 0 and open(lock, "rb").read() == before and os.path.getmtime(lock) == old
+    os.utime(lock)                                       # a fresh lock file is not content
+    plan = gc(root, incomplete_older_than=7 * DAY)
+    assert [(e.state, a) for e, a, _ in plan] == [("empty", "removed")] and not os.path.exists(where)
+
+
+def test_remove_cache_checks_readers_itself(root):
+    done, _ = add_cache(root, "done", "d1")
+    run = open_cache(done, track_use=True)
+    try:
+        assert remove_cache(Location(done)) == "being read"
+    finally:
+        run.close()
+    assert remove_cache(Location(done)) is None and not Location(done).exists()
+
+
+@pytest.mark.parametrize("where", ["s3", "memory"])
+def test_a_writer_that_loses_its_lease_stops(where, request):
+    from cache_format import LockedError
+    from cache_format.lease import Lease
+    base = request.getfixturevalue("bucket") if where == "s3" else f"memory://lease-{time.time_ns()}"
+    loc = Location(f"{base}/c")
+    lease = Lease(loc, ".writer.lock", exclusive=True, ttl=0.4).acquire()
+    held = loc.read_json(".writer.lock")
+    loc.write_json(".writer.lock", dict(held, owner="someone else"))   # taken over behind its back
+    deadline = time.time() + 5
+    while not lease.lost and time.time() < deadline:
+        time.sleep(0.02)
+    assert lease.lost
+    with pytest.raises(LockedError, match="lost the writer lease"):
+        lease.check()
+    lease.release()
+    assert loc.read_json(".writer.lock")["owner"] == "someone else"      # not deleted: it is not ours

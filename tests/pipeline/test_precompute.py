@@ -170,13 +170,19 @@ def test_existing_ray_cluster_same_code_path(mixed, tmp_path, monkeypatch):
         args[args.index("--out") + 1] = tmp_path / "c"
         res = precompute(*args, "--ray-address", f"127.0.0.1:{port}")
         assert res.returncode == 0, res.stderr[-3000:]
+        # Without --ray-address the job starts its own Ray, even with that cluster running here.
+        args[args.index("--out") + 1] = tmp_path / "own"
+        own = precompute(*args)
+        assert own.returncode == 0, own.stderr[-3000:]
     finally:
         subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120, env=env)
-    a, b = open_cache(mixed["out"]), open_cache(tmp_path / "c")
-    assert len(a) == len(b)
-    for ra, rb in zip(a, b):
-        for f in ("sample_id", "input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass"):
-            np.testing.assert_array_equal(getattr(ra, f), getattr(rb, f))
+    a = open_cache(mixed["out"])
+    for other in (tmp_path / "c", tmp_path / "own"):
+        b = open_cache(other)
+        assert len(a) == len(b)
+        for ra, rb in zip(a, b):
+            for f in ("sample_id", "input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass"):
+                np.testing.assert_array_equal(getattr(ra, f), getattr(rb, f))
 
 
 @pytest.mark.parametrize("point", ["before-replace-manifest.json@3", "before-publish@2"])

@@ -54,4 +54,4 @@ def test_remote_store_precompute_killed_resumed_then_reused(tiny, tmp_path, buck
         assert np.array_equal(a.topk_ids, b.topk_ids) and np.array_equal(a.topk_logprobs, b.topk_logprobs)
     summary = json.loads(Location(url).read_bytes("report/summary.json"))
     assert summary["resumed"] and summary["samples_written"] == 30
-    assert not any(n.startswith(".encoded-") for n in os.listdir(tmp_path / "local"))
+    assert set(os.listdir(tmp_path / "local")) == {"manifest.json", "shards", "report", ".writer.lock"}

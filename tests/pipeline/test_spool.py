@@ -24,7 +24,7 @@ def test_round_trip_in_order(tmp_path):
     assert [r[0] for r in rows] == list(range(2500))
     assert rows[7][1] == [7, 8] and rows[7][3] is True and rows[7][2].dtype == np.int32
     sp.delete()
-    assert not any(p.name.startswith(".encoded-") for p in tmp_path.iterdir())
+    assert not any(p.name.startswith("kdcache-spool-") for p in tmp_path.iterdir())
 
 
 def test_units_include_shards_whose_records_were_all_skipped(tmp_path):
@@ -35,9 +35,13 @@ def test_units_include_shards_whose_records_were_all_skipped(tmp_path):
     assert units == {1: [], 4: [9]}
 
 
-def test_stale_spools_are_removed_by_the_lock_holder(tmp_path):
-    stale = spool_of(tmp_path, [0, 1])              # as if its job was killed with kill -9
+def test_spools_of_killed_jobs_are_swept(tmp_path):
+    import subprocess
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / f"kdcache-spool-{gone.pid}-abcd"          # as if its job was killed with kill -9
+    stale.mkdir()
+    live = spool_of(tmp_path, [0, 1])                             # a running job's (this process)
     mine = spool_of(tmp_path, [0])
-    mine.remove_stale()
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == [os.path.basename(mine.dir)] and stale.dir != mine.dir
+    assert left == sorted([os.path.basename(live.dir), os.path.basename(mine.dir)])
