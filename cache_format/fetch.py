@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .errors import ShardError
 from .fingerprint import hash_tree
-from .lease import sweep_dead_dirs
+from .lease import process_dir
 
 DEFAULT_BYTES = int(float(os.environ.get("KDCACHE_FETCH_BYTES", 8 * 2**30)))
 RETRIES = 3
@@ -26,8 +26,7 @@ class ShardFetcher:
     def __init__(self, loc, shards, *, directory=None, max_bytes=None, workers=4, pinned=None):
         self.loc, self.shards = loc, shards
         self.max_bytes = int(max_bytes or DEFAULT_BYTES)
-        sweep_dead_dirs(directory or tempfile.gettempdir(), "kdcache-shards-")
-        self.dir = tempfile.mkdtemp(prefix=f"kdcache-shards-{os.getpid()}-", dir=directory)
+        self.dir = process_dir(directory or tempfile.gettempdir(), "kdcache-shards-")
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kdcache-fetch")
         self._futures = {}                 # j -> Future of the local path

@@ -12,6 +12,7 @@ import re
 import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -42,19 +43,25 @@ def pid_namespace():
         return None
 
 
-def sweep_dead_dirs(base, prefix):
-    """Remove directories `<prefix><pid>-...` under base whose process is gone (kill -9 skips cleanup).
+def process_tag(pid=None):
+    """'<pid namespace inode>-<pid>': names a per-process directory unambiguously on this machine."""
+    ns = re.sub(r"\D", "", pid_namespace() or "") or "0"
+    return f"{ns}-{os.getpid() if pid is None else pid}"
 
-    Make such directories with tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base).
-    """
+
+def process_dir(base, prefix):
+    """A new directory `<prefix><process_tag>-*` under base, after removing those of dead processes
+    of this PID namespace (kill -9 skips cleanup; other containers' directories are left alone)."""
+    ns = process_tag().split("-")[0]
     try:
         names = os.listdir(base)
     except OSError:
-        return
+        names = []
     for name in names:
-        m = re.match(re.escape(prefix) + r"(\d+)-", name)
-        if m and not pid_alive(int(m.group(1))):
+        m = re.match(re.escape(prefix) + r"(\d+)-(\d+)-", name)
+        if m and m.group(1) == ns and not pid_alive(int(m.group(2))):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}{process_tag()}-", dir=base)
 
 
 def _expires(info):

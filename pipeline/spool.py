@@ -1,7 +1,7 @@
 """Encoded samples spooled to disk: tokenize once in the scan, stream them to the workers later.
 
 An Arrow IPC stream of (sample_id, input_ids, positions, truncated) in dataset order, in a
-directory kdcache-spool-<pid>-* under $KDCACHE_SPOOL_DIR or the system temp directory (set TMPDIR
+directory kdcache-spool-<pid namespace>-<pid>-* under $KDCACHE_SPOOL_DIR or the system temp directory (set TMPDIR
 or KDCACHE_SPOOL_DIR to a large disk for big datasets), deleted when the job ends; one left by a
 killed job is deleted by the next job on the machine. Kept out of the cache itself, so nothing in
 the cache changes before the job holds the writer lock. Keeps the driver's memory flat and its
@@ -14,7 +14,7 @@ import tempfile
 import numpy as np
 import pyarrow as pa
 
-from cache_format.lease import sweep_dead_dirs
+from cache_format.lease import process_dir
 
 SCHEMA = pa.schema([("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32())),
                     ("positions", pa.list_(pa.int32())), ("truncated", pa.bool_())])
@@ -28,8 +28,7 @@ class Spool:
     def __init__(self, parent=None):
         parent = parent or os.environ.get("KDCACHE_SPOOL_DIR") or tempfile.gettempdir()
         os.makedirs(parent, exist_ok=True)
-        sweep_dead_dirs(parent, PREFIX)
-        self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
+        self.dir = process_dir(parent, PREFIX)
         self.path = os.path.join(self.dir, "encoded.arrow")
         self._sink = pa.OSFile(self.path, "wb")
         self._writer = pa.ipc.new_stream(self._sink, SCHEMA)

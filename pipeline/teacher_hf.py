@@ -56,7 +56,7 @@ class HFTeacher:
                                       ).last_hidden_state                     # (B, T, H)
             head = self.model.get_output_embeddings()
             for r, i in enumerate(idx):
-                pos = torch.as_tensor(positions[i], dtype=torch.long, device=self.device)
+                pos = torch.as_tensor(np.array(positions[i], dtype=np.int64), device=self.device)
                 logits = head(hidden[r, pos]).float()                          # (P, V)
                 if self.softcap:
                     logits = torch.tanh(logits / self.softcap) * self.softcap

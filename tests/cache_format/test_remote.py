@@ -21,7 +21,7 @@ from cache_format import (
 )
 from cache_format.cli import inspect_main, verify_main
 from cache_format.fetch import ShardFetcher
-from cache_format.lease import live_readers, pid_namespace
+from cache_format.lease import live_readers, pid_namespace, process_tag
 from cache_format.location import Location
 from tests.conftest import ROOT
 from tests.helpers.records import make_records, writer_kwargs
@@ -226,12 +226,15 @@ def test_many_readers_at_once_without_coordination(bucket):
 def test_shard_directory_of_a_killed_reader_is_swept(bucket, tmp_path):
     url = f"{bucket}/c"
     m = write_cache(url, make_records(8, seed=13), shard_size=4, **writer_kwargs("arrow"))
-    left = tmp_path / f"kdcache-shards-{dead_pid()}-abcd1234"
+    dead = dead_pid()
+    left = tmp_path / f"kdcache-shards-{process_tag(dead)}-abcd1234"
     (left / "shards").mkdir(parents=True)
-    mine = tmp_path / f"kdcache-shards-{os.getpid()}-live0000"       # a live process's: kept
+    mine = tmp_path / f"kdcache-shards-{process_tag()}-live0000"              # a live process's: kept
     mine.mkdir()
+    other_ns = tmp_path / f"kdcache-shards-12345-{dead}-abcd1234"            # another container's: kept
+    other_ns.mkdir()
     f = ShardFetcher(Location(url), m["shards"], directory=str(tmp_path))
-    assert not left.exists() and mine.exists() and os.path.isdir(f.dir)
+    assert not left.exists() and mine.exists() and other_ns.exists() and os.path.isdir(f.dir)
     f.close()
 
 

@@ -2,6 +2,7 @@ import os
 
 import numpy as np
 
+from cache_format.lease import process_tag
 from pipeline.job import iter_units
 from pipeline.spool import Spool
 
@@ -39,7 +40,7 @@ def test_spools_of_killed_jobs_are_swept(tmp_path):
     import subprocess
     gone = subprocess.Popen(["true"])
     gone.wait()
-    stale = tmp_path / f"kdcache-spool-{gone.pid}-abcd"          # as if its job was killed with kill -9
+    stale = tmp_path / f"kdcache-spool-{process_tag(gone.pid)}-abcd"   # as if its job was killed with kill -9
     stale.mkdir()
     live = spool_of(tmp_path, [0, 1])                             # a running job's (this process)
     mine = spool_of(tmp_path, [0])
