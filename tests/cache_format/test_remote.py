@@ -163,7 +163,15 @@ def test_damaged_remote_shard_is_refused_by_name(bucket):
 
 
 def disk_bytes(d):
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)
+    """Bytes of the files under d now (a download finishing meanwhile may rename its file away)."""
+    total = 0
+    for r, _, fs in os.walk(d):
+        for f in fs:
+            try:
+                total += os.path.getsize(os.path.join(r, f))
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def test_fetcher_stays_within_its_budget_and_reads_ahead(bucket):
