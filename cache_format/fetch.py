@@ -14,6 +14,7 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
+from .atomic import remove
 from .errors import ShardError
 from .fingerprint import hash_tree
 from .lease import process_dir
@@ -81,7 +82,7 @@ class ShardFetcher:
                     raise ShardError(f"{self.loc.path(info['path'])}: download failed ({e})") from e
                 time.sleep(0.5 * 2 ** attempt)
         if hash_tree(local) != info["sha256"]:
-            shutil.rmtree(local, ignore_errors=True) if os.path.isdir(local) else os.remove(local)
+            remove(local)
             raise ShardError(f"{self.loc.path(info['path'])}: shard {info['index']} fails its sha256 checksum "
                              "(the stored bytes changed after it was committed)")
         with self._lock:
@@ -106,7 +107,7 @@ class ShardFetcher:
             self._futures.pop(j, None)
             self._consumed.discard(j)
             path = os.path.join(self.dir, *self.shards[j]["path"].split("/"))
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+            remove(path)
 
     @property
     def bytes_on_disk(self):

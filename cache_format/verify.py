@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .atomic import remove
 from .backends import READERS
 from .errors import CacheError, RecordError
 from .fingerprint import hash_tree
@@ -93,7 +94,7 @@ def _verify_shard(loc, m, info, rep, seen_ids, structure, scratch):
         except CacheError as e:
             rep.problems.append((name, str(e)))
     if loc.remote:
-        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        remove(path)
 
 
 def _verify_records(path, m, info, rep, seen_ids):
