@@ -32,7 +32,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=int, default=6000)
     ap.add_argument("--k", type=int, default=64)
-    ap.add_argument("--backend", default="vllm", choices=("vllm", "hf"))
+    from pipeline.teacher import TEACHERS
+    ap.add_argument("--backend", default="vllm", choices=tuple(TEACHERS))
     ap.add_argument("--shard-size", type=int, default=500)
     args = ap.parse_args()
     teacher = ensure_teacher()
@@ -54,7 +55,7 @@ def main():
         tokens = sum(len(e.input_ids) for e in items)
         shards = [items[i:i + args.shard_size] for i in range(0, len(items), args.shard_size)]
 
-        from pipeline.worker import make_teacher
+        from pipeline.teacher import make_teacher
         backend = make_teacher(args.backend, teacher, dtype="float32", max_length=256, max_top_k=args.k,
                                batch_tokens=8192)
         backend.score([shards[0][0].input_ids], [shards[0][0].positions], args.k)       # warm-up

@@ -3,7 +3,17 @@
 Depends on numpy, pyarrow and zarr; caches at URLs (s3://, gs://, memory://) also on fsspec,
 imported only when a URL is used. The byte layout is in SPEC.md.
 """
-from .errors import CacheError, FingerprintError, LockedError, ManifestError, RecordError, ShardError  # noqa: F401
+from .errors import (  # noqa: F401
+    CacheError,
+    FingerprintError,
+    KdcacheError,
+    LockedError,
+    ManifestError,
+    ManifestMissing,
+    RecordError,
+    ShardError,
+    TrainDataError,
+)
 from .fingerprint import fingerprint, hash_file, hash_json, hash_tree  # noqa: F401
 from .manifest import FORMAT_VERSION, load_manifest  # noqa: F401
 from .reader import Cache, open_cache  # noqa: F401

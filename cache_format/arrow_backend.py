@@ -3,18 +3,17 @@
 Nested list columns, so plain pyarrow, HF datasets, DuckDB and Polars can read
 a shard without kdcache. Layout in SPEC.md section "Arrow backend".
 """
-import os
-
 import numpy as np
 import pyarrow as pa
 
-from .atomic import publish, remove, temp_name
+from .atomic import write_new
 from .errors import ShardError
-from .fingerprint import hash_file
+from .manifest import FORMAT_VERSION
 from .record import Record
 
 EXT = "arrow"
 CODECS = ("lz4", "zstd", "none")
+DEFAULT_CODEC = "zstd"       # the smallest in bench/storage.py
 ROWS_PER_BATCH = 256
 
 
@@ -28,7 +27,7 @@ def schema(top_k, logprob_dtype):
         ("topk_logprobs", pa.list_(pa.list_(lp, top_k))),
         ("tail_mass", pa.list_(pa.float32())),
         ("truncated", pa.bool_()),
-    ], metadata={"kdcache.format_version": "1", "kdcache.top_k": str(top_k),
+    ], metadata={"kdcache.format_version": str(FORMAT_VERSION), "kdcache.top_k": str(top_k),
                  "kdcache.rows_per_batch": str(ROWS_PER_BATCH)})
 
 
@@ -55,27 +54,23 @@ def _batch(records, sch, top_k, np_lp):
     ], schema=sch)
 
 
-def write_shard(path, records, *, top_k, logprob_dtype="float16", codec="lz4"):
+def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_CODEC):
     """Write checked records to `path` atomically. Returns (bytes, sha256)."""
     if codec not in CODECS:
-        raise ValueError(f"arrow codec must be one of {CODECS}, got {codec!r}")
+        raise ShardError(f"{path}: arrow codec must be one of {CODECS}, got {codec!r}")
     sch = schema(top_k, logprob_dtype)
     np_lp = np.float16 if logprob_dtype == "float16" else np.float32
     opts = pa.ipc.IpcWriteOptions(compression=None if codec == "none" else codec)
-    tmp = temp_name(path)
-    try:
+
+    def fill(tmp):
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, sch, options=opts) as w:
             for i in range(0, len(records), ROWS_PER_BATCH):
                 w.write_batch(_batch(records[i:i + ROWS_PER_BATCH], sch, top_k, np_lp))
-        size, digest = os.path.getsize(tmp), hash_file(tmp)
-        publish(tmp, path)
-    except BaseException:
-        remove(tmp)
-        raise
-    return size, digest
+
+    return write_new(path, fill)
 
 
-class ArrowShard:
+class Shard:
     """Reads one shard; decodes one record batch at a time (kept until the next is needed)."""
 
     def __init__(self, path, top_k):
@@ -84,6 +79,11 @@ class ArrowShard:
             self._file = pa.ipc.open_file(pa.memory_map(path, "r"))
         except (OSError, pa.ArrowInvalid) as e:
             raise ShardError(f"{path}: cannot open as an Arrow IPC file ({e})") from e
+        meta = self._file.schema.metadata or {}
+        version = meta.get(b"kdcache.format_version", b"").decode()
+        if version != str(FORMAT_VERSION):
+            raise ShardError(f"{path}: shard format version {version or 'missing'!r}, this reader reads "
+                             f"{FORMAT_VERSION}; upgrade kdcache or re-run precompute")
         got_k = self._file.schema.field("topk_ids").type.value_type.list_size
         if got_k != top_k:
             raise ShardError(f"{path}: top_k is {got_k} in the shard but {top_k} in the manifest")

@@ -9,6 +9,8 @@ import shutil
 import signal
 import uuid
 
+from .fingerprint import hash_tree
+
 # Fault injection for bench/chaos.py and the tests. KDCACHE_CRASH_AT="NAME@N": SIGKILL this process
 # the N-th time it reaches crash point NAME. KDCACHE_ENOSPC_AT="NAME@N": raise "No space left on
 # device" there instead (a disk filling up). Unset in normal runs: one string test, no effect.
@@ -27,12 +29,14 @@ def crash_point(name):
                 raise OSError(28, "No space left on device (injected)")
 
 
-def fsync_dir(path):
+def fsync_path(path):
+    """fsync a file or directory by path (directories: so a rename in them is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
 
 
 def temp_name(final_path):
@@ -53,19 +57,15 @@ def atomic_write_bytes(path, data: bytes):
     except BaseException:
         remove(tmp)
         raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def fsync_tree(path):
     """fsync every file and directory under path (bottom-up)."""
     for root, _dirs, files in os.walk(path, topdown=False):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(root)
+            fsync_path(os.path.join(root, name))
+        fsync_path(root)
 
 
 def publish(tmp_path, final_path):
@@ -85,13 +85,30 @@ def publish(tmp_path, final_path):
         else:
             os.replace(tmp_path, final_path)
     else:
-        fd = os.open(tmp_path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(tmp_path)
         os.replace(tmp_path, final_path)
-    fsync_dir(os.path.dirname(os.path.abspath(final_path)))
+    fsync_path(os.path.dirname(os.path.abspath(final_path)))
+
+
+def disk_bytes(path):
+    """Size of a file, or the sum of the sizes of every file under a directory (SPEC.md section 3 `bytes`)."""
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    return os.path.getsize(path)
+
+
+def write_new(path, fill):
+    """Create `path` (a file or a directory) atomically: fill(temp) writes it under a temp name, then it is
+    checksummed and published. Returns (bytes, sha256 as in SPEC.md section 5)."""
+    tmp = temp_name(path)
+    try:
+        fill(tmp)
+        size, digest = disk_bytes(tmp), hash_tree(tmp)
+        publish(tmp, path)
+    except BaseException:
+        remove(tmp)
+        raise
+    return size, digest
 
 
 def remove(path):

@@ -2,27 +2,33 @@
 import argparse
 import calendar
 import json
-import sys
 import time
 
-from .errors import CacheError
+from .errors import CacheError, ManifestMissing
 from .manifest import load_manifest
 from .store import gc, is_store, list_caches
 from .verify import verify_cache
 
+CACHE = ("cache", "cache directory or URL (holds manifest.json)")
+STORE = ("store", "store root, e.g. runs/store or s3://bucket/kd")
+
+
+def _parser(name, description, target):
+    """The parser of `kdcache NAME TARGET ...`; target: CACHE or STORE."""
+    p = argparse.ArgumentParser(prog=f"kdcache {name}", description=description)
+    p.add_argument(target[0], help=target[1])
+    return p
+
 
 def inspect_main(argv=None):
-    p = argparse.ArgumentParser(prog="kdcache inspect",
-                                description="Summarize a logit cache: counts, k, backend, fingerprint, "
-                                            "bytes per position, and a per-shard table.")
-    p.add_argument("cache", help="cache directory or URL (holds manifest.json)")
+    p = _parser("inspect", "Summarize a logit cache: counts, k, backend, fingerprint, bytes per position, and a "
+                           "per-shard table.", CACHE)
     p.add_argument("--json", action="store_true", help="print the manifest plus derived figures as JSON")
     args = p.parse_args(argv)
     try:
         m = load_manifest(args.cache)
-    except (CacheError, OSError) as e:
-        print(f"error: {e}{_store_hint(args.cache)}", file=sys.stderr)
-        return 2
+    except ManifestMissing as e:
+        raise ManifestMissing(f"{e}{_store_hint(args.cache)}") from None
     c = m["counts"]
     derived = {
         "bytes_per_position": c["bytes"] / c["positions"] if c["positions"] else None,
@@ -68,18 +74,12 @@ def _store_hint(path):
 
 
 def verify_main(argv=None):
-    p = argparse.ArgumentParser(prog="kdcache verify",
-                                description="Check every checksum and structural invariant of a cache. "
-                                            "Exit 0 when sound, 1 with the shard and reason when not.")
-    p.add_argument("cache", help="cache directory or URL (holds manifest.json)")
+    p = _parser("verify", "Check every checksum and structural invariant of a cache. Exit 0 when sound, 1 with "
+                          "the shard and reason when not.", CACHE)
     p.add_argument("--quick", action="store_true", help="checksums and sizes only; skip decoding records")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
-    try:
-        rep = verify_cache(args.cache, structure=not args.quick)
-    except (CacheError, OSError) as e:      # the store itself failed (network, permissions)
-        print(f"error: {args.cache}: {e}", file=sys.stderr)
-        return 2
+    rep = verify_cache(args.cache, structure=not args.quick)
     if args.json:
         print(json.dumps({"ok": rep.ok, "problems": rep.problems, "warnings": rep.warnings,
                           "shards_checked": rep.shards_checked, "samples_checked": rep.samples_checked}))
@@ -98,17 +98,11 @@ def _when(t):
 
 
 def ls_main(argv=None):
-    p = argparse.ArgumentParser(prog="kdcache ls",
-                                description="List the caches in a store (a directory or an fsspec URL): teacher, "
-                                            "dataset, k, size, completeness, dates, runs reading them.")
-    p.add_argument("store", help="store root, e.g. runs/store or s3://bucket/kd")
+    p = _parser("ls", "List the caches in a store (a directory or an fsspec URL): teacher, dataset, k, size, "
+                      "completeness, dates, runs reading them.", STORE)
     p.add_argument("--json", action="store_true", help="one JSON object per cache")
     args = p.parse_args(argv)
-    try:
-        entries = list_caches(args.store)
-    except (CacheError, OSError) as e:
-        print(f"error: {args.store}: {e}", file=sys.stderr)
-        return 2
+    entries = list_caches(args.store)
     if args.json:
         for e in entries:
             m = e.manifest or {}
@@ -157,11 +151,8 @@ def parse_date(text):
 
 
 def gc_main(argv=None):
-    p = argparse.ArgumentParser(prog="kdcache gc",
-                                description="Remove incomplete caches idle for longer than an age, and caches not "
-                                            "used since a date. A cache that a run is writing or reading is never "
-                                            "removed.")
-    p.add_argument("store", help="store root, e.g. runs/store or s3://bucket/kd")
+    p = _parser("gc", "Remove incomplete caches idle for longer than an age, and caches not used since a date. A "
+                      "cache that a run is writing or reading is never removed.", STORE)
     p.add_argument("--incomplete-older-than", type=parse_age, metavar="AGE",
                    help="remove incomplete caches with no commit for AGE (7d, 12h, 30m, 45s)")
     p.add_argument("--unused-since", type=parse_date, metavar="DATE",
@@ -174,12 +165,8 @@ def gc_main(argv=None):
         unused = time.time() - args.unused_for if unused is None else max(unused, time.time() - args.unused_for)
     if args.incomplete_older_than is None and unused is None:
         p.error("say what to remove: --incomplete-older-than AGE and/or --unused-since DATE / --unused-for AGE")
-    try:
-        plan = gc(args.store, incomplete_older_than=args.incomplete_older_than, unused_since=unused,
-                  dry_run=args.dry_run)
-    except (CacheError, OSError) as e:
-        print(f"error: {args.store}: {e}", file=sys.stderr)
-        return 2
+    plan = gc(args.store, incomplete_older_than=args.incomplete_older_than, unused_since=unused,
+              dry_run=args.dry_run)
     for e, action, why in plan:
         size = (e.manifest or {}).get("counts", {}).get("bytes", 0)
         print(f"{action:<13} {e.name}  ({e.state}, {size / 1e6:.1f} MB): {why}")

@@ -1,29 +1,91 @@
-"""One small exception hierarchy for the cache format.
+"""The one exception hierarchy of kdcache.
 
-Every message names the file, shard or key, what was expected, what was found,
-and what to do about it.
+Every kdcache error derives from KdcacheError; the `kdcache` command catches it
+once, prints the message and exits 2. Every message names the file, line,
+record, shard or key, what was expected, what was found, and what to do.
+
+    KdcacheError
+    ├── ConfigError          a bad key or value in a config file or flag
+    ├── DataError            the dataset cannot be read, or holds a malformed record under --on-bad-record fail
+    │   ├── BadRecord        one record cannot be parsed (the job counts it, lists it, or fails on it)
+    │   └── SkipSample       one record is valid but unusable under the job's policy (reason: a short key)
+    ├── TokenizerMismatch    the student's tokenizer is not the one the cache's ids came from
+    ├── WorkerDied           a teacher worker was killed or failed mid-job (committed shards are safe)
+    └── CacheError           anything wrong with a logit cache
+        ├── ManifestError    manifest.json is unreadable, of an unknown version, or unsafe
+        │   └── ManifestMissing   no manifest.json: not a cache, or nothing committed yet
+        ├── ShardError       a shard is missing, damaged, or disagrees with the manifest
+        ├── RecordError      a record handed to a writer breaks the format's invariants
+        ├── FingerprintError the fingerprint cannot be computed, or differs from the existing cache
+        ├── LockedError      another writer holds the cache
+        ├── ConflictError    a conditional write lost a race (another process wrote first)
+        └── TrainDataError   the cache cannot feed this training run (too few shards, no end-of-turn, ...)
 """
 
 
-class CacheError(Exception):
-    """Base class: anything wrong with a logit cache."""
+class KdcacheError(Exception):
+    """Root of every kdcache error."""
+
+
+class ConfigError(KdcacheError):
+    """A bad key or value in a config file or flag."""
+
+
+class DataError(KdcacheError):
+    """The dataset cannot be read, or holds a malformed record under on_bad_record=fail."""
+
+
+class BadRecord(DataError):
+    """A record that cannot be parsed; the message says which field and why."""
+
+
+class SkipSample(DataError):
+    """A record that cannot be used under the job's policy; `reason` is the key it is counted under."""
+
+    def __init__(self, reason, message):
+        super().__init__(message)
+        self.reason = reason
+
+
+class TokenizerMismatch(KdcacheError):
+    """The student's tokenizer differs from the one the cache's token ids came from."""
+
+
+class WorkerDied(KdcacheError):
+    """A teacher worker was killed or crashed mid-job."""
+
+
+class CacheError(KdcacheError):
+    """Anything wrong with a logit cache."""
 
 
 class ManifestError(CacheError):
-    """manifest.json is missing, unreadable, of an unknown version, or unsafe."""
+    """manifest.json is unreadable, of an unknown version, or unsafe."""
+
+
+class ManifestMissing(ManifestError):
+    """There is no manifest.json: not a cache, or nothing was committed yet."""
 
 
 class ShardError(CacheError):
     """A shard file is missing, damaged, or does not match the manifest."""
 
 
-class LockedError(CacheError):
-    """Another writer holds the cache directory."""
+class RecordError(CacheError):
+    """A record handed to a writer breaks the format's invariants."""
 
 
 class FingerprintError(CacheError):
     """The fingerprint could not be computed, or differs from the existing cache."""
 
 
-class RecordError(CacheError):
-    """A record handed to a writer breaks the format's invariants."""
+class LockedError(CacheError):
+    """Another writer holds the cache directory."""
+
+
+class ConflictError(CacheError):
+    """A conditional write failed: the object exists, or changed since this process last wrote it."""
+
+
+class TrainDataError(CacheError):
+    """The cache cannot feed this training run as configured."""

@@ -17,8 +17,7 @@ import threading
 import time
 import uuid
 
-from .errors import LockedError
-from .location import ConflictError
+from .errors import ConflictError, LockedError
 
 TTL = float(os.environ.get("KDCACHE_LEASE_TTL", "120"))
 READERS_DIR = ".readers"

@@ -14,11 +14,7 @@ import shutil
 import tempfile
 
 from .atomic import atomic_write_bytes, crash_point, remove
-from .errors import CacheError
-
-
-class ConflictError(OSError):
-    """A conditional write lost: the object exists, or changed since we last read or wrote it."""
+from .errors import CacheError, ConflictError
 
 
 def is_url(path) -> bool:

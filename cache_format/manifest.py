@@ -6,7 +6,7 @@ import json
 import os
 import time
 
-from .errors import ManifestError
+from .errors import ManifestError, ManifestMissing
 from .location import as_location
 
 FORMAT_NAME = "kdcache-logits"
@@ -81,7 +81,7 @@ def load_manifest(where):
     try:
         data = loc.read_bytes(MANIFEST_NAME)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        raise ManifestError(f"{path}: no manifest; this is not a kdcache cache (or nothing was committed yet)") \
+        raise ManifestMissing(f"{path}: no manifest; this is not a kdcache cache (or nothing was committed yet)") \
             from None
     try:
         manifest = json.loads(data.decode("utf-8"))

@@ -5,8 +5,8 @@ import time
 import warnings
 from collections import OrderedDict
 
-from .backends import READERS
-from .errors import ManifestError, ShardError
+from .backends import get_backend
+from .errors import ManifestMissing, ShardError
 from .fingerprint import hash_tree
 from .lease import reader_lease
 from .location import as_location
@@ -44,9 +44,7 @@ class Cache:
             self.manifest = self._load(retry=track_use)
             self.shards = self.manifest["shards"]
             self.top_k = self.manifest["top_k"]
-            self._reader_cls = READERS.get(self.manifest["backend"])
-            if self._reader_cls is None:
-                raise ShardError(f"{self.directory}: unknown backend {self.manifest['backend']!r}")
+            self._reader_cls = get_backend(self.manifest["backend"]).Shard
             self._starts = [0]
             for s in self.shards:
                 self._starts.append(self._starts[-1] + s["num_samples"])
@@ -64,8 +62,8 @@ class Cache:
         for attempt in range(3 if retry else 1):
             try:
                 return load_manifest(self.location)
-            except ManifestError as e:
-                if "no manifest" not in str(e) or attempt == 2 or not retry:
+            except ManifestMissing:
+                if attempt == 2 or not retry:
                     raise
                 time.sleep(1.0)
 

@@ -16,7 +16,8 @@ class Record:
       positions      int32 [P]     t such that input_ids[t+1] is a trained target; strictly increasing
       topk_ids       int32 [P, k]  teacher's top-k next-token ids at each position
       topk_logprobs  float32 [P, k] their log-probabilities (full-vocabulary softmax), descending
-      tail_mass      float32 [P]   1 - sum(exp(topk_logprobs)) at full precision: the mass outside top-k
+      tail_mass      float32 [P]   1 - sum(exp(topk_logprobs)) at full precision: the mass outside top-k;
+                                   None when handed to a writer: check_record derives it (the one place)
       truncated      bool          the sample was cut at max_length (its end-of-turn may be missing)
     """
     sample_id: int
@@ -24,7 +25,7 @@ class Record:
     positions: np.ndarray
     topk_ids: np.ndarray
     topk_logprobs: np.ndarray
-    tail_mass: np.ndarray
+    tail_mass: np.ndarray | None = None
     truncated: bool = False
 
     @property
@@ -33,14 +34,32 @@ class Record:
         return self.input_ids[self.positions + 1]
 
 
+def span_positions(spans) -> np.ndarray:
+    """int32 [P]: the positions that train the target spans [(a, b), ...] of token indices.
+
+    The rule of the whole format: target j (the token input_ids[j]) is trained at position j-1, and
+    token 0 has no position. A completion's span runs from its first token through its end-of-turn
+    token, so the position that predicts end-of-turn is always in.
+    """
+    parts = [np.arange(max(a, 1) - 1, b - 1, dtype=np.int32) for a, b in spans]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def lacks_end_of_turn(targets, truncated, eos_token_ids) -> bool:
+    """True if a sample that was not truncated has no trained position predicting an end-of-turn token:
+    a student trained on it would not learn to stop (rule 1)."""
+    return not truncated and not np.isin(np.asarray(targets), list(eos_token_ids)).any()
+
+
 def check_record(rec: Record, top_k: int, vocab_size: int) -> Record:
-    """Coerce dtypes and check shapes and invariants; raise RecordError naming the sample."""
+    """Coerce dtypes, derive a missing tail_mass, check shapes and invariants; raise RecordError naming the sample."""
     sid = rec.sample_id
     ids = np.ascontiguousarray(rec.input_ids, dtype=np.int32)
     pos = np.ascontiguousarray(rec.positions, dtype=np.int32)
     tid = np.ascontiguousarray(rec.topk_ids, dtype=np.int32)
     tlp = np.ascontiguousarray(rec.topk_logprobs, dtype=np.float32)
-    tail = np.ascontiguousarray(rec.tail_mass, dtype=np.float32)
+    tail = tail_mass_from_logprobs(rec.topk_logprobs) if rec.tail_mass is None else \
+        np.ascontiguousarray(rec.tail_mass, dtype=np.float32)
     T, P = ids.shape[0] if ids.ndim == 1 else -1, pos.shape[0] if pos.ndim == 1 else -1
 
     def bad(msg):

@@ -15,9 +15,9 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from .errors import CacheError, LockedError
+from .errors import CacheError, ConflictError, LockedError, ManifestMissing
 from .lease import LAST_USED, READERS_DIR, Lease, is_live, live_readers
-from .location import ConflictError, as_location
+from .location import as_location
 from .lock import LOCK_NAME, DirLock
 from .manifest import MANIFEST_NAME, load_manifest
 
@@ -155,9 +155,10 @@ def describe_cache(loc, name):
     e = Entry(name=name, url=c.url)
     try:
         e.manifest = load_manifest(c)
+    except ManifestMissing:
+        pass                      # an empty cache: started, nothing committed yet
     except CacheError as err:
-        if "no manifest" not in str(err):
-            e.error = str(err)
+        e.error = str(err)
     try:
         e.updated = parse_time(e.manifest["updated"])
     except (TypeError, KeyError, ValueError):

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .atomic import remove
-from .backends import READERS
+from .atomic import disk_bytes, remove
+from .backends import get_backend
 from .errors import CacheError, RecordError
 from .fingerprint import hash_tree
 from .location import as_location
 from .manifest import SHARD_DIR, check_shard_path, load_manifest, safe_shard_path
-from .record import check_record
+from .record import check_record, lacks_end_of_turn
 
 MASS_TOL = {"float16": 2e-2, "float32": 1e-3}  # |sum(p_topk) + tail - 1| allowed after storage rounding
 
@@ -79,8 +79,7 @@ def _verify_shard(loc, m, info, rep, seen_ids, structure, scratch):
     if not os.path.exists(path):
         rep.problems.append((name, "listed in the manifest but missing"))
         return
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) \
-        if os.path.isdir(path) else os.path.getsize(path)
+    size = disk_bytes(path)
     if size != info["bytes"]:
         rep.problems.append((name, f"size is {size} bytes, the manifest says {info['bytes']} (truncated or replaced)"))
         return
@@ -101,7 +100,7 @@ def _verify_records(path, m, info, rep, seen_ids):
     name, k, V = info["path"], m["top_k"], m["vocab_size"]
     eos = np.array(m["eos_token_ids"], dtype=np.int64)
     tol = MASS_TOL[m["logprob_dtype"]]
-    reader = READERS[m["backend"]](path, k)
+    reader = get_backend(m["backend"]).Shard(path, k)
     n = tokens = positions = 0
     prev = None
     for rec in reader:
@@ -127,7 +126,7 @@ def _verify_records(path, m, info, rep, seen_ids):
         if np.abs(mass - 1).max() > tol:
             rep.problems.append((name, f"sample {sid}: top-k mass + tail_mass spans "
                                  f"{mass.min():.4f}..{mass.max():.4f}, expected 1"))
-        if not rec.truncated and not np.isin(rec.targets, eos).any():
+        if lacks_end_of_turn(rec.targets, rec.truncated, eos):
             rep.problems.append((name, f"sample {sid}: no trained position predicts an end-of-turn token "
                                  f"{eos.tolist()} and the sample is not flagged truncated"))
     rep.samples_checked += n

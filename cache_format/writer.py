@@ -8,11 +8,11 @@ import os
 import shutil
 import tempfile
 
-from .backends import DEFAULT_CODEC, get_backend
-from .errors import FingerprintError, LockedError, ManifestError
+from .backends import default_codec, get_backend
+from .errors import ConflictError, FingerprintError, LockedError, ManifestError
 from .fingerprint import describe_diff, fingerprint
 from .lease import Lease
-from .location import ConflictError, as_location
+from .location import as_location
 from .lock import LOCK_NAME, DirLock
 from .manifest import (
     MANIFEST_NAME,
@@ -39,7 +39,7 @@ def write_shard_file(directory, index, records, *, backend, top_k, vocab_size,
     checked = [check_record(r, top_k, vocab_size) for r in records]
     rel = shard_name(index, mod.EXT, tag)
     loc = as_location(directory)
-    kw = dict(top_k=top_k, logprob_dtype=logprob_dtype, codec=codec or DEFAULT_CODEC[backend])
+    kw = dict(top_k=top_k, logprob_dtype=logprob_dtype, codec=default_codec(backend, codec))
     if not loc.remote:
         os.makedirs(os.path.join(loc.url, SHARD_DIR), exist_ok=True)
         size, digest = mod.write_shard(loc.path(rel), checked, **kw)
@@ -66,7 +66,7 @@ def cache_fingerprint(fingerprint_parts, *, backend, top_k, logprob_dtype="float
     """(fingerprint, parts): the job's parts plus the storage format, as recorded in the manifest."""
     parts = dict(fingerprint_parts)
     parts["format"] = {"backend": backend, "top_k": int(top_k), "logprob_dtype": logprob_dtype,
-                       "codec": codec or DEFAULT_CODEC[backend]}
+                       "codec": default_codec(backend, codec)}
     return fingerprint(parts), parts
 
 
@@ -105,8 +105,7 @@ class CacheWriter:
         self.location = as_location(directory)
         self.directory = self.location.url
         self.backend, self.top_k, self.vocab_size = backend, int(top_k), int(vocab_size)
-        self.logprob_dtype, self.codec = logprob_dtype, codec or DEFAULT_CODEC[backend]
-        get_backend(backend)
+        self.logprob_dtype, self.codec = logprob_dtype, default_codec(backend, codec)
         fp, parts = cache_fingerprint(fingerprint_parts, backend=backend, top_k=top_k,
                                       logprob_dtype=logprob_dtype, codec=self.codec)
         self._init = dict(backend=backend, top_k=top_k, vocab_size=vocab_size, eos_token_ids=eos_token_ids,

@@ -6,19 +6,19 @@ compressed inner chunks plus an index. A group is written whole into a temp
 directory by exactly one writer, then renamed into place: Zarr's own
 concurrent partial writes are never used. Layout in SPEC.md "Zarr backend".
 """
-import os
 
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, ZstdCodec
 
-from .atomic import publish, remove, temp_name
+from .atomic import write_new
 from .errors import ShardError
-from .fingerprint import hash_tree
+from .manifest import FORMAT_VERSION
 from .record import Record
 
 EXT = "zarr"
 CODECS = ("zstd", "blosc-zstd", "none")
+DEFAULT_CODEC = "blosc-zstd"   # the smallest in bench/storage.py
 TOKEN_CHUNK = 16384      # inner chunk of 1-D token/position arrays (elements)
 TOPK_CHUNK = 1024        # inner chunk of [P, k] arrays (rows)
 READ_BLOCK = 256         # samples decoded at once when streaming
@@ -50,20 +50,19 @@ def _csr(arrays):
     return offsets
 
 
-def write_shard(path, records, *, top_k, logprob_dtype="float16", codec="zstd"):
+def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_CODEC):
     """Write checked records to the group directory `path` atomically. Returns (bytes, sha256)."""
     if codec not in CODECS:
-        raise ValueError(f"zarr codec must be one of {CODECS}, got {codec!r}")
+        raise ShardError(f"{path}: zarr codec must be one of {CODECS}, got {codec!r}")
     np_lp = np.float16 if logprob_dtype == "float16" else np.float32
 
     def cat(name, dtype, shape_tail=()):
         parts = [getattr(r, name) for r in records]
         return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros((0,) + shape_tail, dtype)
 
-    tmp = temp_name(path)
-    try:
+    def fill(tmp):
         g = zarr.open_group(zarr.storage.LocalStore(tmp), mode="w", zarr_format=3, attributes={
-            "kdcache_format_version": 1, "top_k": top_k, "num_samples": len(records),
+            "kdcache_format_version": FORMAT_VERSION, "top_k": top_k, "num_samples": len(records),
             "logprob_dtype": logprob_dtype})
         _put(g, "sample_id", np.array([r.sample_id for r in records], dtype=np.int64), TOKEN_CHUNK, codec)
         _put(g, "truncated", np.array([r.truncated for r in records], dtype=np.bool_), TOKEN_CHUNK, codec)
@@ -74,22 +73,18 @@ def write_shard(path, records, *, top_k, logprob_dtype="float16", codec="zstd"):
         _put(g, "tail_mass", cat("tail_mass", np.float32), TOKEN_CHUNK, codec)
         _put(g, "topk_ids", cat("topk_ids", np.int32, (top_k,)), TOPK_CHUNK, codec)
         _put(g, "topk_logprobs", cat("topk_logprobs", np_lp, (top_k,)), TOPK_CHUNK, codec)
-        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp) for f in fs)
-        digest = hash_tree(tmp)
-        publish(tmp, path)
-    except BaseException:
-        remove(tmp)
-        raise
-    return size, digest
+
+    return write_new(path, fill)
 
 
-class ZarrShard:
+class Shard:
     """Reads one shard group; offsets are loaded once, payload arrays are sliced on demand."""
 
     def __init__(self, path, top_k):
         self.path = path
         try:
             g = zarr.open_group(zarr.storage.LocalStore(path, read_only=True), mode="r", zarr_format=3)
+            version = g.attrs.get("kdcache_format_version")
             self._a = {name: g[name] for name in (
                 "input_ids", "positions", "tail_mass", "topk_ids", "topk_logprobs")}
             self._sid = g["sample_id"][...]
@@ -98,6 +93,9 @@ class ZarrShard:
             self._poff = g["position_offsets"][...]
         except Exception as e:  # zarr raises many types for damaged stores
             raise ShardError(f"{path}: cannot open as a kdcache Zarr group ({type(e).__name__}: {e})") from e
+        if version != FORMAT_VERSION:
+            raise ShardError(f"{path}: shard format version {version!r}, this reader reads {FORMAT_VERSION}; "
+                             "upgrade kdcache or re-run precompute")
         if self._a["topk_ids"].shape[1:] != (top_k,):
             raise ShardError(f"{path}: top_k is {self._a['topk_ids'].shape[1:]} in the shard, {top_k} in the manifest")
         self._block = (None, None)

@@ -1,6 +1,9 @@
 """The `kdcache` command: a thin dispatcher. Each subcommand lives in its package."""
 import importlib
+import os
 import sys
+
+from cache_format.errors import KdcacheError
 
 # name -> (module, function, one-line help). Imported lazily so `kdcache verify`
 # never pays for importing torch or vLLM.
@@ -32,7 +35,15 @@ def main(argv=None):
         print(f"kdcache: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
-    return getattr(importlib.import_module(module), func)(argv[1:]) or 0
+    try:
+        return getattr(importlib.import_module(module), func)(argv[1:]) or 0
+    except (KdcacheError, OSError) as e:
+        # The one place errors reach the user: the message names the file, shard or key and what to do.
+        # OSError too: a disk that is full or a store that cannot be reached is not a kdcache bug.
+        if os.environ.get("KDCACHE_TRACEBACK"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -11,9 +11,7 @@ import typing
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad key or value in a config file or flag."""
+from cache_format.errors import ConfigError
 
 
 def field(default, help, choices=None, **kw):  # noqa: A002 - mirrors argparse's name
@@ -33,23 +31,18 @@ def validate(cfg, required=(), checks=()):
             raise ConfigError(f"{key}: {getattr(cfg, key)!r} {why}")
 
 
-def run_command(prog, description, cls, run, argv=None, extra_args=None, errors=()):
-    """The shared shape of `kdcache precompute/train`: --config YAML + one flag per field, clear errors, exit 2."""
-    import sys
+def run_command(prog, description, cls, run, argv=None, extra_args=None):
+    """The shared shape of `kdcache precompute/train`: --config YAML + one flag per field, then run(cfg).
 
-    from cache_format import CacheError
+    Errors propagate as KdcacheError; the `kdcache` dispatcher prints them and exits 2.
+    """
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", help="YAML file with any of the settings below; flags override it")
     add_flags(p, cls)
     if extra_args:
         extra_args(p)
     args = p.parse_args(argv)
-    try:
-        cfg = load(cls, args.config, overrides_from(args, cls))
-        run(cfg)
-    except (ConfigError, CacheError, *errors) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    run(load(cls, args.config, overrides_from(args, cls)))
     return 0
 
 

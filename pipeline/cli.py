@@ -14,5 +14,4 @@ def _run(cfg):
 
 
 def main(argv=None):
-    from .data import DataError
-    return run_command("kdcache precompute", DESCRIPTION, PrecomputeConfig, _run, argv, errors=(DataError,))
+    return run_command("kdcache precompute", DESCRIPTION, PrecomputeConfig, _run, argv)

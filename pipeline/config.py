@@ -1,7 +1,10 @@
 """Precompute settings: one typed dataclass, from YAML and flags."""
 from dataclasses import dataclass
 
+from cache_format.backends import BACKENDS
 from kdcache.config import field, validate
+
+from .teacher import TEACHERS
 
 
 @dataclass
@@ -16,10 +19,10 @@ class PrecomputeConfig:
     tokenizer: str | None = field(None, "tokenizer directory (default: the teacher's)")
     top_k: int = field(64, "teacher log-probs kept per position")
     backend: str = field("auto", "teacher backend: vllm, hf, or auto (vllm if importable)",
-                         choices=("auto", "vllm", "hf"))
+                         choices=("auto", *TEACHERS))
     mode: str = field("score", "score the dataset's completions, or generate new ones with the teacher",
                       choices=("score", "generate"))
-    format: str = field("arrow", "storage backend", choices=("arrow", "zarr"))
+    format: str = field("arrow", "storage backend", choices=tuple(BACKENDS))
     codec: str | None = field(None, "compression codec (default: the backend's smallest)")
     logprob_dtype: str = field("float16", "stored precision of log-probs", choices=("float16", "float32"))
     template: str = field("auto", "render records with the tokenizer's chat template, or raw concatenation",

@@ -14,15 +14,10 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cache_format.errors import BadRecord, DataError
+
 ROLES = ("system", "user", "assistant", "tool")
 
-
-class DataError(ValueError):
-    """The dataset cannot be read, or holds a malformed record under on_bad_record=fail."""
-
-
-class BadRecord(ValueError):
-    """A record that cannot be used; the message says why."""
 
 
 @dataclass

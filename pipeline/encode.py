@@ -6,28 +6,33 @@ position that predicts `<|im_end|>` (or the tokenizer's EOS) is always
 trained. Template text rendered after the end-of-turn token (ChatML's "\n")
 is not, because generation stops at the end-of-turn token.
 
-A target j is trained at position j-1 (the cache's `positions`).
+A target j is trained at position j-1 (the cache's `positions`, cache_format.record.span_positions).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+
+from cache_format.errors import ConfigError, SkipSample
+from cache_format.record import span_positions
 
 from .data import Example
 
 
-class Skip(ValueError):
-    """A sample that cannot be used under the job's policy; str(e) is the reason, e.reason the key."""
-
-    def __init__(self, reason, message):
-        super().__init__(message)
-        self.reason = reason
-
-
 @dataclass
-class Encoded:
-    input_ids: list          # int token ids (score: the whole sequence; generate: the prompt)
+class Sample:
+    """One encoded record on its way to the teacher: T tokens, P trained positions."""
+    sample_id: int           # the record's index in the dataset
+    input_ids: np.ndarray    # int32 [T] (score mode: the whole sequence; generate mode: the prompt)
     positions: np.ndarray    # int32 [P] (score mode); empty in generate mode
     truncated: bool = False
+
+
+def with_completion(sample: Sample, new_ids, ended: bool) -> Sample:
+    """Generate mode: the prompt plus the teacher's completion, trained on every generated token (the
+    end-of-turn step included). No end-of-turn within the budget: flagged truncated."""
+    ids = np.concatenate([sample.input_ids, np.asarray(new_ids, dtype=np.int32)])
+    return replace(sample, input_ids=ids, positions=span_positions([(len(sample.input_ids), len(ids))]),
+                   truncated=not ended)
 
 
 def end_of_turn_ids(tok, extra=()):
@@ -46,8 +51,8 @@ def end_of_turn_ids(tok, extra=()):
         if first is not None:
             ids.add(int(first))
     if not ids:
-        raise ValueError("the tokenizer defines no EOS token and its chat template no end-of-turn token; "
-                         "name one with eos_tokens in the config")
+        raise ConfigError("the tokenizer defines no EOS token and its chat template no end-of-turn token; "
+                          "name one with eos_tokens in the config")
     return sorted(ids)
 
 
@@ -57,7 +62,7 @@ class Encoder:
         self.tok = tok
         self.has_template = bool(getattr(tok, "chat_template", None))
         if template == "chat" and not self.has_template:
-            raise ValueError("template=chat but the tokenizer has no chat_template")
+            raise ConfigError("template: 'chat' but the tokenizer has no chat_template; use --template raw")
         self.template = ("chat" if self.has_template else "raw") if template == "auto" else template
         self.max_length, self.overlong, self.mode = max_length, overlong, mode
         self.eos_ids = set(eos_ids) or set(end_of_turn_ids(tok))
@@ -65,9 +70,9 @@ class Encoder:
         self.drop_end_of_turn = drop_end_of_turn   # the bug other tools shipped; control experiments only
 
     # -- score mode: whole sequence plus trained spans ---------------------------------
-    def encode(self, ex: Example) -> Encoded:
+    def encode(self, ex: Example, sample_id: int = 0) -> Sample:
         if self.mode == "generate":
-            return self.encode_prompt(ex)
+            return self.encode_prompt(ex, sample_id)
         if ex.kind == "chat":
             ids, spans = self._chat(ex.messages)
         elif ex.kind == "pair" and self.template == "chat":
@@ -80,22 +85,22 @@ class Encoder:
         else:  # text: every token is a target; EOS appended so the end of a document is learned
             ids = self.tok(ex.text, add_special_tokens=True)["input_ids"] + [self.eos]
             spans = [(1, len(ids))]
-        targets = np.concatenate([np.arange(max(a, 1), b) for a, b in spans]).astype(np.int32)
+        positions = span_positions(spans)
         if self.drop_end_of_turn:
-            targets = targets[~np.isin(np.asarray(ids)[targets], list(self.eos_ids))]
-        return self._limit(ids, targets - 1)
+            positions = positions[~np.isin(np.asarray(ids)[positions + 1], list(self.eos_ids))]
+        return self._limit(sample_id, ids, positions)
 
-    def _limit(self, ids, positions):
+    def _limit(self, sample_id, ids, positions):
         truncated = False
         if len(ids) > self.max_length:
             if self.overlong == "drop":
-                raise Skip("too_long", f"{len(ids)} tokens > max_length {self.max_length} (overlong=drop)")
+                raise SkipSample("too_long", f"{len(ids)} tokens > max_length {self.max_length} (overlong=drop)")
             ids, truncated = ids[:self.max_length], True
             positions = positions[positions <= self.max_length - 2]
         if len(positions) == 0:
-            raise Skip("no_targets", f"no completion token within max_length {self.max_length}"
+            raise SkipSample("no_targets", f"no completion token within max_length {self.max_length}"
                        if truncated else "no completion tokens")
-        return Encoded(list(map(int, ids)), positions.astype(np.int32), truncated)
+        return Sample(sample_id, np.asarray(ids, dtype=np.int32), positions.astype(np.int32), truncated)
 
     def _render(self, messages, gen_prompt=False):
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
@@ -113,20 +118,20 @@ class Encoder:
             head = self._render(messages[:i], gen_prompt=True)
             upto = self._render(messages[:i + 1])
             if not full.startswith(head) or not full.startswith(upto):
-                raise Skip("template", f"the chat template does not render turn {i} as a prefix of the chat; "
+                raise SkipSample("template", f"the chat template does not render turn {i} as a prefix of the chat; "
                            "token-exact spans need a prefix-stable template")
             a = int(np.searchsorted(starts, len(head)))
             b = int(np.searchsorted(starts, len(upto)))
             if a >= len(ids) or starts[a] != len(head):
-                raise Skip("template", f"assistant turn {i} starts inside a token; cannot align its span")
+                raise SkipSample("template", f"assistant turn {i} starts inside a token; cannot align its span")
             eot = next((j for j in range(a, b) if ids[j] in self.eos_ids), None)
             spans.append((a, eot + 1 if eot is not None else b))
         return ids, spans
 
     # -- generate mode: the prompt only ----------------------------------------------------
-    def encode_prompt(self, ex: Example) -> Encoded:
+    def encode_prompt(self, ex: Example, sample_id: int = 0) -> Sample:
         if ex.kind == "text":
-            raise Skip("text_in_generate", "plain text records have no prompt to generate from")
+            raise SkipSample("text_in_generate", "plain text records have no prompt to generate from")
         if ex.kind == "chat":
             msgs = ex.messages
             last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
@@ -137,5 +142,6 @@ class Encoder:
         else:
             ids = self.tok(ex.prompt, add_special_tokens=True)["input_ids"]
         if len(ids) >= self.max_length:
-            raise Skip("too_long", f"prompt of {len(ids)} tokens leaves no room under max_length {self.max_length}")
-        return Encoded(list(map(int, ids)), np.zeros(0, np.int32), False)
+            raise SkipSample("too_long", f"prompt of {len(ids)} tokens leaves no room under max_length "
+                             f"{self.max_length}")
+        return Sample(sample_id, np.asarray(ids, dtype=np.int32), np.zeros(0, np.int32), False)

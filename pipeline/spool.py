@@ -16,6 +16,8 @@ import pyarrow as pa
 
 from cache_format.lease import process_dir
 
+from .encode import Sample
+
 SCHEMA = pa.schema([("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32())),
                     ("positions", pa.list_(pa.int32())), ("truncated", pa.bool_())])
 BATCH = 1024
@@ -34,18 +36,19 @@ class Spool:
         self._writer = pa.ipc.new_stream(self._sink, SCHEMA)
         self._rows = []
 
-    def add(self, sample_id, input_ids, positions, truncated):
-        self._rows.append((sample_id, input_ids, positions, truncated))
+    def add(self, sample: Sample):
+        self._rows.append(sample)
         if len(self._rows) >= BATCH:
             self._flush()
 
     def _flush(self):
         if self._rows:
-            sid, ids, pos, trunc = zip(*self._rows)
+            rows = self._rows
             self._writer.write_batch(pa.record_batch([
-                pa.array(sid, pa.int64()), pa.array([np.asarray(x, np.int32) for x in ids], pa.list_(pa.int32())),
-                pa.array([np.asarray(x, np.int32) for x in pos], pa.list_(pa.int32())),
-                pa.array(trunc, pa.bool_())], schema=SCHEMA))
+                pa.array([s.sample_id for s in rows], pa.int64()),
+                pa.array([s.input_ids for s in rows], pa.list_(pa.int32())),
+                pa.array([s.positions for s in rows], pa.list_(pa.int32())),
+                pa.array([s.truncated for s in rows], pa.bool_())], schema=SCHEMA))
             self._rows = []
 
     def close_writing(self):
@@ -54,14 +57,19 @@ class Spool:
         self._sink.close()
 
     def __iter__(self):
-        """(sample_id, input_ids list, positions int32 array, truncated) in the order added."""
+        """The Samples in the order added (int32 arrays, as spooled)."""
         with pa.memory_map(self.path) as src:
             for batch in pa.ipc.open_stream(src):
-                sid = batch.column(0).to_pylist()
-                ids, pos, trunc = batch.column(1), batch.column(2), batch.column(3).to_pylist()
+                sid, trunc = batch.column(0).to_pylist(), batch.column(3).to_pylist()
+                ids, pos = batch.column(1), batch.column(2)
                 for r in range(batch.num_rows):
-                    yield sid[r], ids[r].values.to_numpy().tolist(), \
-                        pos[r].values.to_numpy(zero_copy_only=False).astype(np.int32), trunc[r]
+                    yield Sample(sid[r], _values(ids, r), _values(pos, r), trunc[r])
 
     def delete(self):
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _values(col, r):
+    """Row r of a list<int32> column as an int32 array (a copy: the memory map closes after iteration)."""
+    lo, hi = col.offsets[r].as_py(), col.offsets[r + 1].as_py()
+    return col.values.slice(lo, hi - lo).to_numpy(zero_copy_only=False).astype(np.int32, copy=True)

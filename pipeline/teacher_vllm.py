@@ -11,7 +11,7 @@ import numpy as np
 
 
 class VLLMTeacher:
-    name = "vllm"
+    engine = "vllm"
 
     def __init__(self, model_path, *, dtype="float32", max_length=2048, max_top_k=64, seed=0,
                  trust_remote_code=False, gpu_memory_utilization=0.85, batch_tokens=8192, **_):
@@ -22,24 +22,22 @@ class VLLMTeacher:
                        max_logprobs=max_top_k + 1, seed=seed, trust_remote_code=trust_remote_code,
                        gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=False,
                        max_num_batched_tokens=max(batch_tokens, max_length), enable_prefix_caching=False)
-        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
     def score(self, seqs, positions, k):
-        """Same contract as HFTeacher.score."""
-        from vllm import SamplingParams, TokensPrompt
+        """See pipeline.teacher.Teacher.score: per sequence (ids int32 [P, k], logprobs float32 [P, k])."""
+        from vllm import SamplingParams
         sp = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in seqs], sp, use_tqdm=False)
+        outs = self.llm.generate(_prompts(seqs), sp, use_tqdm=False)
         return [_topk_from_flat(o.prompt_logprobs, np.asarray(pos), k, len(s))
                 for o, pos, s in zip(outs, positions, seqs)]
 
     def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, eos_ids):
-        """One sampled completion per prompt (per-prompt budget and seed). Returns [(ids, ended_with_eos)]."""
-        from vllm import SamplingParams, TokensPrompt
+        """See pipeline.teacher.Teacher.generate."""
+        from vllm import SamplingParams
         params = [SamplingParams(max_tokens=int(n), temperature=temperature, top_p=top_p, seed=int(sd),
                                  stop_token_ids=[int(t) for t in eos_ids], detokenize=False)
                   for n, sd in zip(max_new_tokens, seeds)]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts], params,
-                                 use_tqdm=False)
+        outs = self.llm.generate(_prompts(prompts), params, use_tqdm=False)
         res = []
         for o in outs:
             new = list(o.outputs[0].token_ids)
@@ -47,8 +45,14 @@ class VLLMTeacher:
         return res
 
 
+def _prompts(seqs):
+    """The vLLM boundary: int32 arrays become the lists of Python ints TokensPrompt takes."""
+    from vllm import TokensPrompt
+    return [TokensPrompt(prompt_token_ids=np.asarray(s).tolist()) for s in seqs]
+
+
 def _topk_from_flat(flat, positions, k, T):
-    """(ids [P,k], logprobs [P,k], tail [P]) from vLLM FlatLogprobs for prompt positions.
+    """(ids int32 [P,k], logprobs float32 [P,k]) from vLLM FlatLogprobs for prompt positions.
 
     Entry t+1 holds the prompt token (any rank) followed by ranks 1..k. That fixed layout is read
     with one vectorised gather; anything else falls back to a per-position selection by rank.
@@ -68,9 +72,7 @@ def _topk_from_flat(flat, positions, k, T):
     if np.all(end[rows] - a == k + 1):
         cols = a[:, None] + 1 + np.arange(k)[None, :]                  # [P, k]: skip the prompt-token entry
         if np.array_equal(ranks[cols], np.broadcast_to(np.arange(1, k + 1), cols.shape)):
-            out_ids, out_lp = ids[cols], lps[cols]
-            tail = np.clip(1.0 - np.exp(out_lp).sum(-1), 0.0, 1.0)
-            return out_ids.astype(np.int32), out_lp.astype(np.float32), tail.astype(np.float32)
+            return ids[cols].astype(np.int32), lps[cols].astype(np.float32)
     out_ids = np.empty((len(rows), k), dtype=np.int32)
     out_lp = np.empty((len(rows), k), dtype=np.float64)
     for row, (lo, hi) in enumerate(zip(a, end[rows])):
@@ -82,5 +84,4 @@ def _topk_from_flat(flat, positions, k, T):
             raise RuntimeError(f"vLLM gave {len(sel)} top-k entries at a prompt position, expected {k}")
         order = lo + sel[np.argsort(r[sel], kind="stable")]
         out_ids[row], out_lp[row] = ids[order], lps[order]
-    tail = np.clip(1.0 - np.exp(out_lp).sum(-1), 0.0, 1.0)
-    return out_ids, out_lp.astype(np.float32), tail.astype(np.float32)
+    return out_ids, out_lp.astype(np.float32)

@@ -4,56 +4,64 @@ Runs as a Ray actor; each worker is the only writer of the shards it is
 given. It returns the shard's manifest entry; the driver commits it.
 """
 import time
-
-import numpy as np
+from dataclasses import dataclass
 
 from cache_format import Record, write_shard_file
 
+from .encode import Sample, with_completion
+from .teacher import make_teacher
 
-def make_teacher(backend, model_path, **kw):
-    if backend == "vllm":
-        from .teacher_vllm import VLLMTeacher
-        return VLLMTeacher(model_path, **kw)
-    from .teacher_hf import HFTeacher
-    return HFTeacher(model_path, **kw)
+
+@dataclass
+class WorkerSpec:
+    """What every worker of a job is built from."""
+    teacher_backend: str     # a key of pipeline.teacher.TEACHERS
+    model_path: str
+    teacher_kwargs: dict     # the Teacher's constructor keywords
+    shard_kwargs: dict       # write_shard_file's format keywords: backend, top_k, vocab_size, logprob_dtype, codec
+    generate: dict | None    # generate mode: max_new_tokens, temperature, top_p, seed, eos_ids, max_length
+
+
+@dataclass
+class Unit:
+    """One shard of work: its samples and where its file goes."""
+    directory: str
+    shard_tag: str | None
+    index: int
+    sample_start: int        # [sample_start, sample_end): the dataset records this shard covers
+    sample_end: int
+    samples: list            # [Sample], in dataset order
 
 
 class TeacherWorker:
-    def __init__(self, backend, model_path, teacher_kwargs, cache_kwargs, gen_kwargs, mode):
-        self.teacher = make_teacher(backend, model_path, **teacher_kwargs)
-        self.cache_kwargs, self.gen_kwargs, self.mode = cache_kwargs, gen_kwargs, mode
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.teacher = make_teacher(spec.teacher_backend, spec.model_path, **spec.teacher_kwargs)
 
     def ready(self):
         return True
 
-    def run(self, unit):
-        """unit: {index, sample_start, sample_end, items: [(sample_id, ids, positions, truncated)]}."""
+    def run(self, unit: Unit):
+        """Score the unit's samples and write its shard. Returns {info, teacher_s, tokens}."""
         t0 = time.perf_counter()
-        items = unit["items"]
-        if self.mode == "generate" and items:
-            items = self._generate(items)
-        seqs = [it[1] for it in items]
-        pos = [it[2] for it in items]
-        scored = self.teacher.score(seqs, pos, self.cache_kwargs["top_k"]) if items else []
-        records = [Record(sid, np.asarray(ids, np.int32), p, tid, tlp, tail, trunc)
-                   for (sid, ids, p, trunc), (tid, tlp, tail) in zip(items, scored)]
+        samples = unit.samples
+        if self.spec.generate and samples:
+            samples = self._generate(samples)
+        k = self.spec.shard_kwargs["top_k"]
+        scored = self.teacher.score([s.input_ids for s in samples], [s.positions for s in samples], k) \
+            if samples else []
+        records = [Record(s.sample_id, s.input_ids, s.positions, ids, logprobs, truncated=s.truncated)
+                   for s, (ids, logprobs) in zip(samples, scored)]
         teacher_s = time.perf_counter() - t0
-        info = write_shard_file(unit["directory"], unit["index"], records, sample_start=unit["sample_start"],
-                                sample_end=unit["sample_end"], tag=unit.get("shard_tag"), **self.cache_kwargs)
-        return {"info": info, "teacher_s": teacher_s, "write_s": time.perf_counter() - t0 - teacher_s,
-                "tokens": int(sum(len(s) for s in seqs))}
+        info = write_shard_file(unit.directory, unit.index, records, sample_start=unit.sample_start,
+                                sample_end=unit.sample_end, tag=unit.shard_tag, **self.spec.shard_kwargs)
+        return {"info": info, "teacher_s": teacher_s, "tokens": int(sum(len(s.input_ids) for s in samples))}
 
-    def _generate(self, items):
-        """Prompts -> prompt + teacher completion, trained on every generated token (EOS step included)."""
-        g = self.gen_kwargs
-        prompts = [it[1] for it in items]
-        budgets = [min(g["max_new_tokens"], g["max_length"] - len(p)) for p in prompts]
-        gens = self.teacher.generate(prompts, max_new_tokens=budgets, temperature=g["temperature"],
-                                     top_p=g["top_p"], seeds=[g["seed"] + it[0] for it in items],
-                                     eos_ids=set(g["eos_ids"]))
-        out = []
-        for (sid, prompt, _, _), (new, ended) in zip(items, gens):
-            ids = list(prompt) + list(new)
-            positions = np.arange(len(prompt) - 1, len(ids) - 1, dtype=np.int32)
-            out.append((sid, ids, positions, not ended))   # no EOS within the budget: flagged truncated
-        return out
+    def _generate(self, samples: list[Sample]) -> list[Sample]:
+        """Prompts -> prompt + teacher completion (see encode.with_completion)."""
+        g = self.spec.generate
+        budgets = [min(g["max_new_tokens"], g["max_length"] - len(s.input_ids)) for s in samples]
+        gens = self.teacher.generate([s.input_ids for s in samples], max_new_tokens=budgets,
+                                     temperature=g["temperature"], top_p=g["top_p"],
+                                     seeds=[g["seed"] + s.sample_id for s in samples], eos_ids=set(g["eos_ids"]))
+        return [with_completion(s, new, ended) for s, (new, ended) in zip(samples, gens)]

@@ -1,11 +1,10 @@
 """Shared fixtures: a tokenizer trained here and a tiny teacher built from a config (no hub)."""
-import json
 import os
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # so `tests.helpers` imports
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -22,13 +21,6 @@ def tiny(tmp_path_factory):
     model = make_model(tok, "test", seed=0)
     save(model, tok, str(d / "teacher"))
     return {"teacher": str(d / "teacher"), "tok": tok, "train": train, "heldout": held, "dir": d}
-
-
-def write_jsonl(path, rows):
-    with open(path, "w") as f:
-        for r in rows:
-            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
-    return str(path)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 import torch
 
-from cache_format.atomic import atomic_write_bytes, fsync_dir, fsync_tree
+from cache_format.atomic import atomic_write_bytes, fsync_path, fsync_tree
 
 CKPT_DIR = "checkpoints"
 TAG = "state"
@@ -89,7 +89,7 @@ def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, k
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        fsync_dir(os.path.dirname(final))
+        fsync_path(os.path.dirname(final))
         for _step, old in complete_checkpoints(out)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()

@@ -20,6 +20,4 @@ def _run(cfg):
 
 
 def main(argv=None):
-    from .model import TokenizerMismatch
-    return run_command("kdcache train", DESCRIPTION, TrainConfig, _run, argv, extra_args=_launcher_args,
-                       errors=(TokenizerMismatch, FileNotFoundError))
+    return run_command("kdcache train", DESCRIPTION, TrainConfig, _run, argv, extra_args=_launcher_args)

@@ -3,6 +3,8 @@ from dataclasses import dataclass
 
 from kdcache.config import ConfigError, field, validate
 
+from .losses import LossConfig
+
 
 @dataclass
 class TrainConfig:
@@ -49,9 +51,6 @@ class TrainConfig:
 
     def __post_init__(self):
         validate(self, required=("cache", "student", "out"), checks=[
-            ("beta", 0.0 <= self.beta <= 1.0, "must be in [0, 1]"),
-            ("temperature", self.temperature > 0, "must be > 0"),
-            ("sft_alpha", self.sft_alpha >= 0, "must be >= 0"),
             ("loss_chunk", self.loss_chunk >= 1, "must be >= 1"),
             ("lr", self.lr > 0, "must be > 0"),
             ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]"),
@@ -71,3 +70,8 @@ class TrainConfig:
             raise ConfigError("pack: needs max_tokens (the packed row length), e.g. --max-tokens 2048")
         if self.deepspeed not in ("0", "1", "2", "3") and not self.deepspeed.endswith(".json"):
             raise ConfigError(f"deepspeed: {self.deepspeed!r} must be a ZeRO stage 0-3 or a .json config file")
+        self.loss_config()    # the loss's own checks: beta, temperature, tail, sft_alpha
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(beta=self.beta, temperature=self.temperature, tail=self.tail, sft_alpha=self.sft_alpha,
+                          chunk_size=self.loss_chunk)

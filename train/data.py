@@ -10,14 +10,10 @@ import queue
 import threading
 
 import numpy as np
-import torch
 
-from cache_format import CacheError, ShardError, open_cache
+from cache_format import ShardError, TrainDataError, open_cache
 from cache_format.reader import READ_AHEAD
-
-
-class DataStateError(CacheError):
-    pass
+from kdcache.batching import budget_groups
 
 
 class CacheStream:
@@ -26,7 +22,7 @@ class CacheStream:
         self.cache = open_cache(cache_dir, track_use=track_use)
         if self.cache.num_shards < world:
             self.cache.close()
-            raise DataStateError(f"{cache_dir}: {self.cache.num_shards} shard(s) cannot feed {world} ranks; "
+            raise TrainDataError(f"{cache_dir}: {self.cache.num_shards} shard(s) cannot feed {world} ranks; "
                                  "each rank reads whole shards. Precompute with a smaller --shard-size.")
         self.rank, self.world, self.seed, self.shuffle = rank, world, seed, shuffle
         self.batch_size, self.max_tokens, self.prefetch, self.epochs = batch_size, max_tokens, prefetch, epochs
@@ -129,88 +125,6 @@ class CacheStream:
 
     def batches(self):
         """Yield (list of records, state after the batch): batch_size samples, or fewer under max_tokens."""
-        batch, longest, state = [], 0, None
-        for rec, nxt in self.samples():
-            n = len(rec.input_ids)
-            if batch and (len(batch) == self.batch_size or
-                          (self.max_tokens and max(longest, n) * (len(batch) + 1) > self.max_tokens)):
-                yield batch, state
-                batch, longest = [], 0
-            batch.append(rec)
-            longest = max(longest, n)
-            state = nxt
-        if batch:
-            yield batch, state
-
-
-def pack_rows(lengths, pack_len):
-    """First-fit, in order: row index and start offset of each sample in rows of at most pack_len tokens."""
-    rows, used = [], []
-    for n in lengths:
-        for r, u in enumerate(used):
-            if u + n <= pack_len:
-                rows.append((r, u))
-                used[r] += n
-                break
-        else:
-            rows.append((len(used), 0))
-            used.append(n)
-    return rows, used
-
-
-def collate(records, *, pad_id, student_vocab, pack_len=0):
-    """Batch cache records into model inputs and flat per-position teacher targets.
-
-    Padding (pack_len=0): one sample per row, attention_mask marks real tokens. Packing (pack_len>0):
-    samples share rows of up to pack_len tokens; position_ids restart at 0 for every sample and no
-    attention_mask is passed, from which transformers builds a block-diagonal causal mask, so
-    packed samples never attend to each other.
-    Returns tensors: input_ids (R, T); attention_mask (R, T) or None; position_ids (R, T) or None;
-    batch_index (row), positions (column), sample_index, targets (N,); topk_ids (N, k) with -1 where
-    the teacher id lies outside the student's embedding; topk_logprobs (N, k); tail_mass (N,).
-    """
-    lengths = [len(r.input_ids) for r in records]
-    if pack_len:
-        place, used = pack_rows(lengths, pack_len)
-        R, T = len(used), max(used)
-    else:
-        place, R, T = [(b, 0) for b in range(len(records))], len(records), max(lengths)
-    ids = np.full((R, T), pad_id, dtype=np.int64)
-    mask = np.zeros((R, T), dtype=np.int64)
-    position_ids = np.tile(np.arange(T), (R, 1)) if pack_len else None
-    for r, (row, off) in zip(records, place):
-        n = len(r.input_ids)
-        ids[row, off:off + n] = r.input_ids
-        mask[row, off:off + n] = 1
-        if pack_len:
-            position_ids[row, off:off + n] = np.arange(n)
-    if pack_len:   # the padding after the last sample of a row is a segment of its own
-        for row, u in enumerate(used):
-            position_ids[row, u:] = np.arange(T - u)
-    if ids.max() >= student_vocab:
-        raise DataStateError(f"sample {records[int(np.argmax(ids.max(1)))].sample_id} holds token id {ids.max()} "
-                             f"but the student has {student_vocab} embeddings: the tokenizers differ")
-    bidx = np.concatenate([np.full(len(r.positions), row) for r, (row, _) in zip(records, place)])
-    pos = np.concatenate([r.positions.astype(np.int64) + off for r, (_, off) in zip(records, place)])
-    sidx = np.concatenate([np.full(len(r.positions), i) for i, r in enumerate(records)])
-    tid = np.concatenate([r.topk_ids for r in records]).astype(np.int64)
-    tlp = np.concatenate([r.topk_logprobs for r in records]).astype(np.float32)
-    tail = np.concatenate([r.tail_mass for r in records]).astype(np.float32)
-    # Explicit rule for padded vocabularies (e.g. 152064 teacher rows vs 151936 student rows): teacher ids
-    # the student cannot represent leave the support and their mass joins the tail bucket.
-    outside = tid >= student_vocab
-    n_outside = int(outside.sum())
-    if n_outside:
-        tail = np.clip(tail + np.where(outside, np.exp(tlp), 0.0).sum(1), 0.0, 1.0).astype(np.float32)
-        tid = np.where(outside, -1, tid)
-    return {
-        "input_ids": torch.from_numpy(ids),
-        "attention_mask": None if pack_len else torch.from_numpy(mask),
-        "position_ids": None if position_ids is None else torch.from_numpy(position_ids),
-        "batch_index": torch.from_numpy(bidx.astype(np.int64)), "positions": torch.from_numpy(pos),
-        "sample_index": torch.from_numpy(sidx.astype(np.int64)),
-        "targets": torch.from_numpy(ids[bidx, pos + 1]),
-        "topk_ids": torch.from_numpy(tid), "topk_logprobs": torch.from_numpy(tlp), "tail_mass": torch.from_numpy(tail),
-        "n_positions": len(pos), "n_tokens": int(mask.sum()), "n_outside_vocab": n_outside,
-        "sample_ids": [r.sample_id for r in records], "truncated": [r.truncated for r in records],
-    }
+        for group in budget_groups(self.samples(), lambda item: len(item[0].input_ids), max_tokens=self.max_tokens,
+                                   max_items=self.batch_size):
+            yield [rec for rec, _ in group], group[-1][1]

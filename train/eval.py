@@ -10,9 +10,11 @@ OUT/eval.json and PNGs (generated lengths, loss curves).
 import argparse
 import json
 import os
-import sys
 
 import torch
+
+from cache_format.errors import ConfigError, DataError
+from cache_format.record import span_positions
 
 from .metrics import read_metrics
 
@@ -23,10 +25,13 @@ def load_heldout(path):
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
             msgs = rec.get("messages") if isinstance(rec, dict) else None
-            if not msgs or msgs[-1].get("role") != "assistant":
-                raise ValueError(f"{path}:{n}: eval needs chat records whose last message is the assistant's answer")
+            if not msgs or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant":
+                raise DataError(f"{path}:{n}: eval needs chat records whose last message is the assistant's answer")
             rows.append(msgs)
     return rows
 
@@ -70,7 +75,7 @@ def completion_batch(tok, msgs):
                add_special_tokens=False)["input_ids"]
     full = tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)["input_ids"]
     end = next(j for j in range(len(head), len(full)) if full[j] == tok.eos_token_id)
-    return full, list(range(len(head) - 1, end))
+    return full, span_positions([(len(head), end + 1)]).tolist()
 
 
 @torch.no_grad()
@@ -183,7 +188,7 @@ def _pairs(items, what):
     out = {}
     for item in items or []:
         if "=" not in item:
-            raise SystemExit(f"error: --{what} expects NAME=PATH, got {item!r}")
+            raise ConfigError(f"--{what} expects NAME=PATH, got {item!r}")
         k, v = item.split("=", 1)
         out[k] = v
     return out
@@ -203,8 +208,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     models = _pairs(args.model, "model")
     if args.reference and args.reference not in models:
-        print(f"error: --reference {args.reference} is not one of the --model names {list(models)}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--reference {args.reference} is not one of the --model names {list(models)}")
     results = evaluate(models, args.data, args.reference, args.max_new_tokens, args.batch_size)
     write_report(results, args.out, _pairs(args.run, "run"), args.reference, args.title, args.note)
     print_table(results)

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cache_format.errors import ConfigError
+
 _NEG_INF = float("-inf")
 # Reverse KL (beta == 1) divides by the teacher, and a teacher bucket can be exactly 0 (tail_mass rounds to 0 when
 # the top-k holds almost everything). There only, teacher log-probs are clamped to >= log(1e-30) so the loss stays
@@ -44,7 +46,7 @@ class LossConfig:
         ]
         for name, ok, need in checks:
             if not ok:
-                raise ValueError(f"LossConfig.{name} must be {need}, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name}: must be {need}, got {getattr(self, name)!r}")
 
 
 def _safe_logsumexp(x: Tensor, empty: float) -> Tensor:
@@ -265,23 +267,3 @@ def chunked_kd_loss(hidden: Tensor, lm_head_weight: Tensor, topk_ids: Tensor, to
                                       targets, cfg)
     return loss, {"kd": float(kd), "sft": float(ce), "positions": int(n)}
 
-
-def dense_reference(student_logits: Tensor, teacher_logprobs_full: Tensor, beta: float, temperature: float) -> Tensor:
-    """Test reference, [N, V] x [N, V] -> [N]: the same generalized JSD against the teacher's full distribution.
-
-    No top-k, no tail, no masking; teacher tempered as softmax(teacher_logprobs_full / tau); tau^2 included.
-    """
-    s = F.softmax(student_logits.float() / temperature, dim=-1)
-    t = F.softmax(teacher_logprobs_full.float() / temperature, dim=-1)
-
-    def kl(p, q):  # xlogy gives 0 log 0 = 0
-        return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum(-1)
-
-    if beta == 0:
-        out = kl(t, s)
-    elif beta == 1:
-        out = kl(s, t)
-    else:
-        m = beta * t + (1 - beta) * s
-        out = beta * kl(t, m) + (1 - beta) * kl(s, m)
-    return out * temperature**2

@@ -4,13 +4,11 @@ import os
 import torch
 from torch import nn
 
+from cache_format.errors import TokenizerMismatch
 from cache_format.tokenizer_id import diff_identity, tokenizer_identity
 
+from .batch import Batch
 from .losses import LossConfig, chunked_kd_loss, kd_loss_from_logits
-
-
-class TokenizerMismatch(ValueError):
-    pass
 
 
 def load_student(path, *, seed, trust_remote_code=False):
@@ -57,15 +55,14 @@ class DistillModule(nn.Module):
         super().__init__()
         self.model, self.loss_cfg, self.chunked = model, loss_cfg, chunked
 
-    def forward(self, input_ids, attention_mask, position_ids, batch_index, positions, topk_ids, topk_logprobs,
-                tail_mass, targets):
+    def forward(self, b: Batch):
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         # use_cache=False: no KV cache in training, and transformers only detects packed rows without one.
-        hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      use_cache=False).last_hidden_state                                        # (B, T, H)
-        h = hidden[batch_index, positions]                                                     # (N, H)
+        hidden = base(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
+                      use_cache=False).last_hidden_state                                        # (R, T, H)
+        h = hidden[b.batch_index, b.positions]                                                 # (N, H)
         head = self.model.get_output_embeddings()
         if self.chunked:
-            return chunked_kd_loss(h, head.weight, topk_ids, topk_logprobs, tail_mass, targets, self.loss_cfg,
-                                   lm_head_bias=head.bias)
-        return kd_loss_from_logits(head(h), topk_ids, topk_logprobs, tail_mass, targets, self.loss_cfg)
+            return chunked_kd_loss(h, head.weight, b.topk_ids, b.topk_logprobs, b.tail_mass, b.targets,
+                                   self.loss_cfg, lm_head_bias=head.bias)
+        return kd_loss_from_logits(head(h), b.topk_ids, b.topk_logprobs, b.tail_mass, b.targets, self.loss_cfg)

@@ -86,17 +86,6 @@ def student_config(root, teacher, p):
     return out
 
 
-def backend(choice="auto"):
-    if choice != "auto":
-        return choice
-    try:
-        import vllm  # noqa: F401
-        return "vllm"
-    except ImportError:
-        say("vLLM is not installed here: using the transformers (hf) teacher backend")
-        return "hf"
-
-
 def run_precompute(root, data_dir, teacher, p, control, teacher_backend):
     out = os.path.join(root, "cache_no_eos" if control else "cache")
     args = ["precompute", "--teacher", teacher, "--data", os.path.join(data_dir, "train.jsonl"), "--out", out,
@@ -143,7 +132,8 @@ def main(argv=None):
     ap.add_argument("--stage", choices=STAGES, default="eval", help="stop after this stage")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (the test suite's version); no quality bars")
     ap.add_argument("--no-control", action="store_true", help="skip the control experiment (EOS removed)")
-    ap.add_argument("--backend", choices=("auto", "vllm", "hf"), default="auto",
+    from pipeline.teacher import TEACHERS, pick_backend
+    ap.add_argument("--backend", choices=("auto", *TEACHERS), default="auto",
                     help="teacher backend for precompute (auto: vLLM where installed)")
     args = ap.parse_args(argv)
     p = QUICK if args.quick else FULL
@@ -156,7 +146,9 @@ def main(argv=None):
     if args.stage == "teacher":
         return 0
     variants = [False] if args.no_control else [False, True]
-    teacher_backend = backend(args.backend)
+    teacher_backend = pick_backend(args.backend)
+    why = f" (auto: the first of {list(TEACHERS)} that imports here)" if args.backend == "auto" else ""
+    say(f"teacher backend: {teacher_backend}{why}")
     caches = {c: run_precompute(args.root, data_dir, teacher, p, c, teacher_backend) for c in variants}
     if args.stage == "precompute":
         return 0

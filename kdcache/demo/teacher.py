@@ -10,20 +10,21 @@ import os
 import random
 import time
 
+import numpy as np
 import torch
+
+from pipeline.data import parse_record
+from pipeline.encode import Encoder
 
 from .models import make_model, save
 
 
-def encode_sft(tok, record, max_len=160):
-    """(ids, labels) with labels = -100 outside the assistant answer; the answer's <|im_end|> is a label."""
-    msgs = record["messages"]
-    prompt = tok.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
-    p = tok(prompt, add_special_tokens=False)["input_ids"]
-    a = tok(msgs[-1]["content"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
-    ids = (p + a)[:max_len]
-    labels = ([-100] * len(p) + a)[:max_len]
-    return ids, labels
+def encode_sft(encoder, record):
+    """(ids, labels): labels are -100 except at the targets precompute trains (the answer through <|im_end|>)."""
+    s = encoder.encode(parse_record(record))
+    labels = np.full(len(s.input_ids), -100, dtype=np.int64)
+    labels[s.positions + 1] = s.input_ids[s.positions + 1]
+    return s.input_ids.tolist(), labels.tolist()
 
 
 def train_teacher(tok, train_records, out_dir, *, size="teacher", steps=1200, batch=32, lr=2e-3, seed=0,
@@ -31,7 +32,8 @@ def train_teacher(tok, train_records, out_dir, *, size="teacher", steps=1200, ba
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = make_model(tok, size, seed=seed)
-    data = [encode_sft(tok, r) for r in train_records]
+    encoder = Encoder(tok, max_length=160)
+    data = [encode_sft(encoder, r) for r in train_records]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warm = 50
     sched = torch.optim.lr_scheduler.LambdaLR(

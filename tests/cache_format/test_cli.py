@@ -1,17 +1,8 @@
 import json
-import os
-import subprocess
-import sys
 
 from cache_format import write_cache
+from tests.helpers.cli import kdcache
 from tests.helpers.records import make_records, writer_kwargs
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def kdcache(*args):
-    return subprocess.run([sys.executable, "-m", "kdcache", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
 
 
 def test_inspect_human_and_json(tmp_path):

@@ -43,8 +43,7 @@ def _poll_growing(path, q, timeout=300):
 def test_concurrent_readers_while_a_precompute_writes(tmp_path, tiny):
     """Three training readers stream cache A twice; meanwhile `kdcache precompute` writes cache B in the
     same store and two more processes keep reopening B and decoding every shard it lists."""
-    from tests.conftest import write_jsonl
-    from tests.pipeline.test_precompute import precompute
+    from tests.helpers.cli import precompute, write_jsonl
     a, b = tmp_path / "a", tmp_path / "b"
     write_cache(a, make_records(120, seed=1), shard_size=10, **writer_kwargs("arrow"))
     ctx = mp.get_context("spawn")

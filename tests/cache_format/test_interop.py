@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cache_format import open_cache, write_cache
-from tests.conftest import ROOT
+from tests.helpers.cli import ROOT
 from tests.helpers.records import make_records, writer_kwargs
 
 

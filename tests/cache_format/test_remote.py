@@ -23,7 +23,7 @@ from cache_format.cli import inspect_main, verify_main
 from cache_format.fetch import ShardFetcher
 from cache_format.lease import live_readers, pid_namespace, process_tag
 from cache_format.location import Location
-from tests.conftest import ROOT
+from tests.helpers.cli import ROOT
 from tests.helpers.records import make_records, writer_kwargs
 
 

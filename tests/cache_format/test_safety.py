@@ -18,10 +18,10 @@ from cache_format import (
     verify_cache,
     write_cache,
 )
+from tests.helpers.cli import ROOT
 from tests.helpers.records import make_records, writer_kwargs
 
 BACKENDS = ["arrow", "zarr"]
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _shard_file(cache_dir, j, backend):
@@ -236,3 +236,20 @@ def test_writer_sweeps_temp_files_of_killed_writers(tmp_path):
     stale.write_bytes(b"half a shard")
     CacheWriter(d, num_shards_planned=2, **writer_kwargs("arrow")).open().close()
     assert not stale.exists() and len(open_cache(d)) == 8
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shard_of_another_format_version_is_refused_by_name(tmp_path, backend, monkeypatch):
+    """The manifest says version 1, but one shard was written by a version-2 writer: readers refuse it."""
+    from cache_format.backends import get_backend
+    write_cache(tmp_path / "new", make_records(20), shard_size=10, **writer_kwargs(backend))
+    with monkeypatch.context() as m:
+        m.setattr(get_backend(backend), "FORMAT_VERSION", 2)
+        write_cache(tmp_path / "v2", make_records(20), shard_size=10, **writer_kwargs(backend))
+    assert open_cache(tmp_path / "new")[15].sample_id == 15              # the same data at version 1 reads
+    name = f"shard-00000.{backend}"
+    with pytest.raises(ShardError, match=rf"{name}: shard format version '?2'?, this reader reads 1"):
+        open_cache(tmp_path / "v2")[0]
+    rep = verify_cache(tmp_path / "v2")
+    assert [w for w, _ in rep.problems] == [f"shards/{name}", f"shards/shard-00001.{backend}"]
+    assert all("format version" in why for _, why in rep.problems)

@@ -54,13 +54,6 @@ class S3Server:
             self.proc = None
 
 
-def start_with_env():
-    """Start a server and point this process (and its children) at it. Returns the server."""
-    server = S3Server().start()
-    os.environ.update(server.env())
-    return server
-
-
 def upload_dir(local_dir, url):
     """Copy a local directory tree to an s3:// URL, file by file."""
     import fsspec

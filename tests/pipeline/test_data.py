@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data import BadRecord, DataError, iter_records, parse_record
-from tests.conftest import write_jsonl
+from tests.helpers.cli import write_jsonl
 
 CHAT = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
 

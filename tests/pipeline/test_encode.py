@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
+from cache_format.errors import SkipSample
 from pipeline.data import parse_record
-from pipeline.encode import Encoder, Skip, end_of_turn_ids
+from pipeline.encode import Encoder, end_of_turn_ids
 from tests.helpers.chats import MULTI
 
 
@@ -19,7 +20,7 @@ def test_chat_targets_are_assistant_text_plus_end_of_turn(tiny):
     tok = tiny["tok"]
     enc = Encoder(tok).encode(parse_record(MULTI))
     # Token-exact: the ids are the tokenizer's ids of the rendered template, nothing re-templated.
-    assert enc.input_ids == tok(tok.apply_chat_template(MULTI["messages"], tokenize=False),
+    assert enc.input_ids.tolist() == tok(tok.apply_chat_template(MULTI["messages"], tokenize=False),
                                 add_special_tokens=False)["input_ids"]
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     t = targets(enc)
@@ -43,7 +44,7 @@ def test_pair_with_template_equals_two_turn_chat(tiny):
     a = Encoder(tok).encode(parse_record({"prompt": "hello there", "completion": "sql"}))
     b = Encoder(tok).encode(parse_record({"messages": [{"role": "user", "content": "hello there"},
                                                        {"role": "assistant", "content": "sql"}]}))
-    assert a.input_ids == b.input_ids and np.array_equal(a.positions, b.positions)
+    assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.positions, b.positions)
 
 
 def test_pair_raw_and_text_append_eos(tiny):
@@ -61,10 +62,10 @@ def test_truncate_flags_and_drop_skips(tiny):
     cut = Encoder(tok, max_length=len(full.input_ids) - 3).encode(parse_record(MULTI))
     assert cut.truncated and len(cut.input_ids) == len(full.input_ids) - 3
     assert cut.positions.max() <= len(cut.input_ids) - 2
-    with pytest.raises(Skip) as e:
+    with pytest.raises(SkipSample) as e:
         Encoder(tok, max_length=len(full.input_ids) - 3, overlong="drop").encode(parse_record(MULTI))
     assert e.value.reason == "too_long"
-    with pytest.raises(Skip) as e:
+    with pytest.raises(SkipSample) as e:
         Encoder(tok, max_length=5).encode(parse_record(MULTI))   # nothing of any answer fits
     assert e.value.reason == "no_targets"
 
@@ -73,20 +74,20 @@ def test_generate_mode_encodes_prompt_up_to_generation_prompt(tiny):
     tok = tiny["tok"]
     enc = Encoder(tok, mode="generate").encode(parse_record(MULTI))
     want = tok.apply_chat_template(MULTI["messages"][:4], tokenize=False, add_generation_prompt=True)
-    assert tok.decode(enc.input_ids) == want
-    with pytest.raises(Skip):
+    assert tok.decode(enc.input_ids.tolist()) == want
+    with pytest.raises(SkipSample):
         Encoder(tok, mode="generate").encode(parse_record({"text": "x"}))
 
 
 def test_enormous_message_is_truncated_and_flagged_or_dropped(tiny):
     tok = tiny["tok"]
     huge = {"messages": [{"role": "user", "content": "docker " * 20000}, {"role": "assistant", "content": "sql"}]}
-    with pytest.raises(Skip) as e:                       # the answer lies beyond max_length: nothing to train
+    with pytest.raises(SkipSample) as e:                       # the answer lies beyond max_length: nothing to train
         Encoder(tok, max_length=512).encode(parse_record(huge))
     assert e.value.reason == "no_targets"
     long_answer = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "sql " * 5000}]}
     enc = Encoder(tok, max_length=512).encode(parse_record(long_answer))
     assert enc.truncated and len(enc.input_ids) == 512 and enc.positions.max() == 510
-    with pytest.raises(Skip) as e:
+    with pytest.raises(SkipSample) as e:
         Encoder(tok, max_length=512, overlong="drop").encode(parse_record(long_answer))
     assert e.value.reason == "too_long"

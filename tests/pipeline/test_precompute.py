@@ -11,17 +11,11 @@ import pytest
 import torch
 
 from cache_format import open_cache, verify_cache
-from tests.conftest import ROOT, write_jsonl
 from tests.helpers.chats import MULTI
+from tests.helpers.cli import ROOT, precompute, write_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-
-
-def precompute(*args, timeout=300, extra_env=None):
-    env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=ROOT, **(extra_env or {}))
-    return subprocess.run([sys.executable, "-m", "kdcache", "precompute", "--no-progress", "--worker-cpus", "0.5",
-                           *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")

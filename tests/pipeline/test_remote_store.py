@@ -8,8 +8,7 @@ import pytest
 from cache_format import open_cache, verify_cache
 from cache_format.location import Location
 from cache_format.store import STORE_MARKER, list_caches
-from tests.conftest import write_jsonl
-from tests.pipeline.test_precompute import precompute
+from tests.helpers.cli import precompute, write_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

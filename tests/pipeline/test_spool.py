@@ -3,18 +3,15 @@ import os
 import numpy as np
 
 from cache_format.lease import process_tag
-from pipeline.job import iter_units
+from pipeline.dispatch import iter_units
+from pipeline.encode import Sample
 from pipeline.spool import Spool
-
-
-class Cfg:
-    shard_size = 2
 
 
 def spool_of(tmp_path, ids):
     sp = Spool(str(tmp_path))
     for sid in ids:
-        sp.add(sid, [sid, sid + 1], np.array([0], np.int32), sid % 2 == 1)
+        sp.add(Sample(sid, np.array([sid, sid + 1], np.int32), np.array([0], np.int32), sid % 2 == 1))
     sp.close_writing()
     return sp
 
@@ -22,17 +19,18 @@ def spool_of(tmp_path, ids):
 def test_round_trip_in_order(tmp_path):
     sp = spool_of(tmp_path, range(2500))              # more than one Arrow batch
     rows = list(sp)
-    assert [r[0] for r in rows] == list(range(2500))
-    assert rows[7][1] == [7, 8] and rows[7][3] is True and rows[7][2].dtype == np.int32
+    assert [r.sample_id for r in rows] == list(range(2500))
+    assert rows[7].input_ids.tolist() == [7, 8] and rows[7].truncated is True
+    assert rows[7].input_ids.dtype == rows[7].positions.dtype == np.int32
     sp.delete()
     assert not any(p.name.startswith("kdcache-spool-") for p in tmp_path.iterdir())
 
 
 def test_units_include_shards_whose_records_were_all_skipped(tmp_path):
     sp = spool_of(tmp_path, [0, 1, 5, 9])            # shards 0:[0,1] 1:[] 2:[5] 3:[] 4:[9]
-    units = {j: [it[0] for it in items] for j, items in iter_units(Cfg, sp, set(range(5)))}
+    units = {j: [s.sample_id for s in items] for j, items in iter_units(2, sp, set(range(5)))}
     assert units == {0: [0, 1], 1: [], 2: [5], 3: [], 4: [9]}
-    units = {j: [it[0] for it in items] for j, items in iter_units(Cfg, sp, {1, 4})}
+    units = {j: [s.sample_id for s in items] for j, items in iter_units(2, sp, {1, 4})}
     assert units == {1: [], 4: [9]}
 
 

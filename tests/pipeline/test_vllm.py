@@ -4,10 +4,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cache_format import open_cache, verify_cache
-from tests.conftest import write_jsonl
+from cache_format import open_cache, tail_mass_from_logprobs, verify_cache
 from tests.helpers.chats import MULTI
-from tests.pipeline.test_precompute import precompute
+from tests.helpers.cli import precompute, write_jsonl
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
 
@@ -30,8 +29,9 @@ def hf_reference(teacher, recs, k):
     """The transformers teacher, in this process, on exactly the ids and positions the vLLM cache holds."""
     from pipeline.teacher_hf import HFTeacher
     hf = HFTeacher(teacher, dtype="float32")
-    scored = hf.score([r.input_ids.tolist() for r in recs], [r.positions for r in recs], k)
-    return hf, [SimpleNamespace(topk_ids=i, topk_logprobs=lp, tail_mass=t) for i, lp, t in scored]
+    scored = hf.score([r.input_ids for r in recs], [r.positions for r in recs], k)
+    return hf, [SimpleNamespace(topk_ids=i, topk_logprobs=lp, tail_mass=tail_mass_from_logprobs(lp))
+                for i, lp in scored]
 
 
 def test_vllm_cache_agrees_with_the_transformers_reference(tiny, tmp_path):

@@ -2,8 +2,10 @@ import numpy as np
 import pytest
 
 from cache_format import write_cache
+from cache_format.errors import TrainDataError
 from tests.helpers.records import make_records, writer_kwargs
-from train.data import CacheStream, DataStateError, collate
+from train.batch import collate
+from train.data import CacheStream
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def test_resume_from_any_state_continues_with_exactly_the_next_samples(cache_dir
 
 
 def test_too_few_shards_for_ranks_is_refused(cache_dir):
-    with pytest.raises(DataStateError, match="7 shard"):
+    with pytest.raises(TrainDataError, match="7 shard"):
         CacheStream(cache_dir, world=8)
 
 
@@ -70,11 +72,11 @@ def test_token_budget_limits_padded_batch(cache_dir):
 def test_collate_aligns_positions_and_targets():
     recs = make_records(3, seed=9)
     b = collate(recs, pad_id=0, student_vocab=300)
-    assert b["input_ids"].shape == (3, max(len(r.input_ids) for r in recs))
-    assert b["n_positions"] == sum(len(r.positions) for r in recs)
+    assert b.input_ids.shape == (3, max(len(r.input_ids) for r in recs))
+    assert b.n_positions == sum(len(r.positions) for r in recs)
     want = np.concatenate([r.targets for r in recs])
-    np.testing.assert_array_equal(b["targets"].numpy(), want)
-    assert int(b["attention_mask"].sum()) == sum(len(r.input_ids) for r in recs)
+    np.testing.assert_array_equal(b.targets.numpy(), want)
+    assert int(b.attention_mask.sum()) == sum(len(r.input_ids) for r in recs)
 
 
 def test_teacher_ids_outside_student_vocab_move_to_tail():
@@ -82,20 +84,20 @@ def test_teacher_ids_outside_student_vocab_move_to_tail():
     recs = make_records(2, seed=1, vocab=300)
     for r in recs:
         r.input_ids = np.minimum(r.input_ids, 149).astype(np.int32)   # inputs fit a 150-row student
-    assert collate(recs, pad_id=0, student_vocab=300)["n_outside_vocab"] == 0
+    assert collate(recs, pad_id=0, student_vocab=300).n_outside_vocab == 0
     b = collate(recs, pad_id=0, student_vocab=150)
     tid = np.concatenate([r.topk_ids for r in recs])
     outside = tid >= 150
-    assert b["n_outside_vocab"] == int(outside.sum()) > 0
-    assert (b["topk_ids"].numpy()[outside] == -1).all() and (b["topk_ids"].numpy()[~outside] == tid[~outside]).all()
+    assert b.n_outside_vocab == int(outside.sum()) > 0
+    assert (b.topk_ids.numpy()[outside] == -1).all() and (b.topk_ids.numpy()[~outside] == tid[~outside]).all()
     tlp = np.concatenate([r.topk_logprobs for r in recs])
     tail = np.concatenate([r.tail_mass for r in recs])
-    np.testing.assert_allclose(b["tail_mass"].numpy(), tail + np.where(outside, np.exp(tlp), 0).sum(1), atol=1e-6)
+    np.testing.assert_allclose(b.tail_mass.numpy(), tail + np.where(outside, np.exp(tlp), 0).sum(1), atol=1e-6)
 
 
 def test_input_ids_outside_student_vocab_is_an_error():
     recs = make_records(1, seed=1, vocab=300)
-    with pytest.raises(DataStateError, match="tokenizers differ"):
+    with pytest.raises(TrainDataError, match="tokenizers differ"):
         collate(recs, pad_id=0, student_vocab=int(recs[0].input_ids.max()))
 
 

@@ -1,15 +1,14 @@
 """The distillation forward: packing equals padding, and the student loss path matches the definitions."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from tests.helpers.records import make_records
-from train.data import collate, pack_rows
+from train.batch import collate, pack_rows
 from train.losses import LossConfig
 from train.model import DistillModule
-
-INPUTS = ("input_ids", "attention_mask", "position_ids", "batch_index", "positions", "topk_ids", "topk_logprobs",
-          "tail_mass", "targets")
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +28,14 @@ def test_pack_rows_first_fit():
 def test_packed_layout_restarts_positions():
     recs = make_records(5, seed=2, min_len=6, max_len=20)
     b = collate(recs, pad_id=0, student_vocab=300, pack_len=40)
-    assert b["attention_mask"] is None and b["input_ids"].shape[0] < 5
-    pos_ids = b["position_ids"].numpy()
+    assert b.attention_mask is None and b.input_ids.shape[0] < 5
+    pos_ids = b.position_ids.numpy()
     for r in range(pos_ids.shape[0]):
         starts = np.flatnonzero(pos_ids[r] == 0)
         assert len(starts) >= 1
     # every target is still the next token of its own sample
     want = np.concatenate([r.targets for r in recs])
-    np.testing.assert_array_equal(b["targets"].numpy(), want)
+    np.testing.assert_array_equal(b.targets.numpy(), want)
 
 
 @pytest.mark.parametrize("cfg", [LossConfig(beta=0.0), LossConfig(beta=0.5, tail="renorm", sft_alpha=0.3)])
@@ -45,11 +44,11 @@ def test_packing_gives_the_same_loss_and_gradients_as_padding(student, cfg):
     module = DistillModule(student, cfg)
     padded = collate(recs, pad_id=0, student_vocab=300)
     packed = collate(recs, pad_id=0, student_vocab=300, pack_len=64)
-    assert packed["input_ids"].shape[0] < padded["input_ids"].shape[0]
+    assert packed.input_ids.shape[0] < padded.input_ids.shape[0]
     grads = []
     for batch in (padded, packed):
         student.zero_grad()
-        loss, parts = module(**{k: batch[k] for k in INPUTS})
+        loss, parts = module(batch)
         loss.backward()
         grads.append((float(loss.detach()), student.model.embed_tokens.weight.grad.clone()))
     (l1, g1), (l2, g2) = grads
@@ -63,8 +62,8 @@ def test_packing_without_isolation_would_differ(student):
     module = DistillModule(student, LossConfig())
     padded = collate(recs, pad_id=0, student_vocab=300)
     packed = collate(recs, pad_id=0, student_vocab=300, pack_len=64)
-    leaky = dict(packed, position_ids=None)               # positions run on across samples: no isolation
+    leaky = dataclasses.replace(packed, position_ids=None)               # positions run on across samples: no isolation
     with torch.no_grad():
-        a = float(module(**{k: padded[k] for k in INPUTS})[0])
-        b = float(module(**{k: leaky[k] for k in INPUTS})[0])
+        a = float(module(padded)[0])
+        b = float(module(leaky)[0])
     assert abs(a - b) > 1e-3

@@ -9,8 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, write_jsonl
-from tests.pipeline.test_precompute import precompute
+from tests.helpers.cli import ROOT, precompute, write_jsonl
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 

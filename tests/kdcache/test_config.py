@@ -52,3 +52,21 @@ def test_flags_override_yaml(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("cache: c\nstudent: s\nout: o\nbeta: 0.2\n")
     assert load(TrainConfig, str(f), {"beta": "0.7"}).beta == 0.7
+
+
+@pytest.mark.parametrize("path,cls,command", [
+    ("pipeline/configs/precompute.yaml", PrecomputeConfig, "kdcache precompute"),
+    ("train/configs/train.yaml", TrainConfig, "kdcache train"),
+])
+def test_example_configs_load_and_start_with_their_launch_command(path, cls, command):
+    import os
+
+    import yaml
+
+    from tests.helpers.cli import ROOT
+    full = os.path.join(ROOT, path)
+    first = open(full).readline().strip()
+    assert first == f"# {command} --config {path}"
+    cfg = load(cls, full)
+    for key, value in yaml.safe_load(open(full)).items():                  # every key in the file took effect
+        assert getattr(cfg, key) == value, key

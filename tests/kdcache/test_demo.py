@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from cache_format import open_cache, verify_cache
-from tests.conftest import ROOT
+from tests.helpers.cli import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.deepspeed]
 

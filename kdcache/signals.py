@@ -1,0 +1,40 @@
+"""Stopping cleanly on SIGTERM, SIGHUP and SIGINT: the precompute job and the trainer share this flag.
+
+The first signal sets the flag; the loop finishes the unit of work in hand (a shard, an optimizer step),
+saves it and exits 0, and the same command resumes. With exit_on_second, a second signal exits at once
+(whatever was committed is safe).
+"""
+import os
+import signal
+import sys
+
+SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+class StopFlag:
+    def __init__(self, message="", exit_on_second=False):
+        self.signal = None            # the name of the first signal received, e.g. "SIGTERM"
+        self.message, self.exit_on_second = message, exit_on_second
+        self._old = {}
+
+    def install(self):
+        for sig in SIGNALS:
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        self._old = {}
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signal and self.exit_on_second:
+            print(f"\n{name} again: exiting now; what was committed is safe.", file=sys.stderr)
+            os._exit(130)
+        self.signal = self.signal or name
+        if self.message:
+            print(f"\n{name}: {self.message}", file=sys.stderr)
+
+    def __bool__(self):
+        return self.signal is not None

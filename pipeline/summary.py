@@ -1,0 +1,77 @@
+"""What a precompute job leaves beside the cache and prints at the end: reports, the summary, the bar."""
+import json
+import os
+import time
+from collections import Counter
+
+from cache_format.location import Location
+from kdcache.config import dumps
+
+REPORT_DIR = "report"
+
+
+def progress(cfg, total, initial):
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, unit="sample", desc="precompute", disable=not cfg.progress,
+                dynamic_ncols=True)
+
+
+def save_reports(cfg, skipped):
+    """report/skipped.jsonl (every skipped record, with where and why) and report/precompute.yaml."""
+    out = Location(cfg.out)
+    lines = "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in skipped)
+    out.write_bytes(f"{REPORT_DIR}/skipped.jsonl", lines.encode("utf-8"))
+    out.write_bytes(f"{REPORT_DIR}/precompute.yaml", dumps(cfg).encode("utf-8"))
+
+
+def summary(cfg, writer, skipped, t_start, stats, shards_at_start):
+    """The job's figures: written to report/summary.json, printed, returned."""
+    m = writer.manifest
+    c = m["counts"]
+    wall = time.time() - t_start
+    s = {
+        "cache": cfg.out, "complete": m["complete"], "shards": f"{len(m['shards'])}/{m['num_shards_planned']}",
+        "shards_this_run": len(m["shards"]) - shards_at_start,
+        "records": m["meta"]["records"], "samples_written": c["samples"],
+        "skipped": dict(Counter(x["reason"] for x in skipped)),
+        "truncated": sum(x.get("num_truncated", 0) for x in m["shards"]),
+        "tokens": c["tokens"], "positions": c["positions"], "bytes": c["bytes"],
+        "bytes_per_position": round(c["bytes"] / c["positions"], 1) if c["positions"] else None,
+        "wall_s": round(wall, 1), "tokens_this_run": stats.tokens,
+        "throughput_tok_s": round(stats.tokens / wall, 1) if wall else None,
+        "teacher_s": round(stats.teacher_s, 1), "resumed": shards_at_start > 0,
+        "loop_s": round(stats.loop_s, 2),       # first shard submitted -> last shard committed (startup excluded)
+        "loop_tok_s": round(stats.tokens / stats.loop_s, 1) if stats.loop_s else None,
+    }
+    Location(cfg.out).write_bytes(f"{REPORT_DIR}/summary.json", json.dumps(s, indent=1).encode())
+    _print(s, skipped)
+    return s
+
+
+def reused_summary(cfg, m, t_start):
+    c = m["counts"]
+    s = {"cache": cfg.out, "complete": True, "reused": True, "shards": f"{len(m['shards'])}/{len(m['shards'])}",
+         "shards_this_run": 0, "records": m["meta"].get("records"), "samples_written": c["samples"],
+         "skipped": m["meta"].get("skipped", {}), "tokens": c["tokens"], "positions": c["positions"],
+         "bytes": c["bytes"], "wall_s": round(time.time() - t_start, 1), "tokens_this_run": 0,
+         "teacher_s": 0.0, "resumed": False}
+    print(f"\nprecompute summary\n  {'cache':<16} {cfg.out} (complete, reused)\n"
+          f"  {'samples':<16} {c['samples']:,}\n  {'teacher work':<16} none")
+    return s
+
+
+def _print(s, skipped):
+    print("\nprecompute summary")
+    rows = [("cache", f"{s['cache']} ({'complete' if s['complete'] else 'INCOMPLETE'}, {s['shards']} shards)"),
+            ("samples written", f"{s['samples_written']:,} of {s['records']:,} records"),
+            ("skipped", ", ".join(f"{k}: {v}" for k, v in sorted(s["skipped"].items())) or "none"),
+            ("truncated", s["truncated"]),
+            ("tokens", f"{s['tokens']:,} ({s['positions']:,} scored positions)"),
+            ("size", f"{s['bytes'] / 1e6:.2f} MB, {s['bytes_per_position']} B/position"),
+            ("wall time", f"{s['wall_s']} s"),
+            ("throughput", f"{s['loop_tok_s']:,} tokens/s after startup, {s['throughput_tok_s']:,} over the wall time"
+             if s["tokens_this_run"] else "no teacher work")]
+    for k, v in rows:
+        print(f"  {k:<16} {v}")
+    if skipped:
+        print(f"  skipped records are listed in {os.path.join(s['cache'], REPORT_DIR, 'skipped.jsonl')}")

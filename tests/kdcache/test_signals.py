@@ -1,0 +1,40 @@
+"""The stop flag shared by precompute and training: the first signal asks to stop, a second can exit at once."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+from kdcache.signals import StopFlag
+
+
+def test_first_signal_sets_the_flag_and_restore_puts_handlers_back():
+    before = signal.getsignal(signal.SIGHUP)
+    flag = StopFlag().install()
+    try:
+        assert not flag and flag.signal is None
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert flag and flag.signal == "SIGHUP"
+        os.kill(os.getpid(), signal.SIGTERM)                 # without exit_on_second: still running, first kept
+        assert flag.signal == "SIGHUP"
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGHUP) is before
+
+
+def test_second_signal_exits_at_once_when_asked():
+    code = textwrap.dedent("""
+        import os, signal, time
+        from kdcache.signals import StopFlag
+        flag = StopFlag("finishing, then stopping", exit_on_second=True).install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("still here", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        print("not reached", flush=True)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root)
+    assert res.returncode == 130
+    assert "still here" in res.stdout and "not reached" not in res.stdout
+    assert "SIGTERM: finishing, then stopping" in res.stderr and "SIGTERM again: exiting now" in res.stderr

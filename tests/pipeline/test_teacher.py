@@ -1,0 +1,38 @@
+"""The teacher registry: one dict names the backends; auto picks the first that imports; config follows it."""
+import pytest
+
+from cache_format.errors import ConfigError
+from kdcache.config import load
+from pipeline import teacher
+from pipeline.config import PrecomputeConfig
+
+
+def test_registry_names_importable_classes():
+    for name in teacher.TEACHERS:
+        cls = teacher.teacher_class(name)
+        assert callable(cls.score) and callable(cls.generate) and isinstance(cls.engine, str)
+
+
+def test_auto_picks_the_first_backend_that_imports(monkeypatch):
+    monkeypatch.setattr(teacher, "importable", lambda name: name == "hf")
+    assert teacher.pick_backend("auto") == "hf"
+    assert teacher.pick_backend("vllm") == "vllm"                     # a named backend is kept
+    monkeypatch.setattr(teacher, "importable", lambda name: False)
+    with pytest.raises(ConfigError, match="no teacher backend imports"):
+        teacher.pick_backend("auto")
+
+
+def test_a_registered_backend_is_a_valid_config_choice(monkeypatch):
+    base = {"teacher": "t", "data": "d.jsonl", "out": "o"}
+    with pytest.raises(ConfigError, match="backend: 'mine' is not one of"):
+        load(PrecomputeConfig, overrides={**base, "backend": "mine"})
+    monkeypatch.setitem(teacher.TEACHERS, "mine", "pipeline.teacher_hf:HFTeacher")
+    import importlib
+
+    import pipeline.config
+    fresh = importlib.reload(pipeline.config)
+    try:
+        assert load(fresh.PrecomputeConfig, overrides={**base, "backend": "mine"}).backend == "mine"
+    finally:
+        monkeypatch.undo()
+        importlib.reload(pipeline.config)

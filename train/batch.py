@@ -1,0 +1,113 @@
+"""Cache records -> one micro-batch: model inputs plus flat per-position teacher targets.
+
+Shapes: R rows of T tokens; N trained positions in the batch; k teacher entries per position.
+"""
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from cache_format.errors import TrainDataError
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor              # int64 (R, T)
+    attention_mask: torch.Tensor | None  # int64 (R, T), 1 on real tokens; None when packed
+    position_ids: torch.Tensor | None    # int64 (R, T), restarting at 0 per packed sample; None when padded
+    batch_index: torch.Tensor            # int64 (N,) row of each trained position
+    positions: torch.Tensor              # int64 (N,) column of each trained position
+    sample_index: torch.Tensor           # int64 (N,) which record (0..B-1) each position belongs to
+    targets: torch.Tensor                # int64 (N,) the token each position predicts
+    topk_ids: torch.Tensor               # int64 (N, k), -1 where the teacher id lies outside the student's vocab
+    topk_logprobs: torch.Tensor          # float32 (N, k)
+    tail_mass: torch.Tensor              # float32 (N,)
+    n_tokens: int                        # real (unpadded) tokens
+    n_outside_vocab: int                 # teacher entries moved to the tail bucket (see collate)
+    sample_ids: list                     # [int] per record
+    truncated: list                      # [bool] per record
+
+    @property
+    def n_positions(self):
+        return int(self.positions.shape[0])
+
+    def to(self, device):
+        """The batch with every tensor on `device`."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device, non_blocking=True)
+        return Batch(**moved)
+
+
+def pack_rows(lengths, pack_len):
+    """First-fit, in order: row index and start offset of each sample in rows of at most pack_len tokens."""
+    rows, used = [], []
+    for n in lengths:
+        for r, u in enumerate(used):
+            if u + n <= pack_len:
+                rows.append((r, u))
+                used[r] += n
+                break
+        else:
+            rows.append((len(used), 0))
+            used.append(n)
+    return rows, used
+
+
+def _layout(records, pad_id, pack_len):
+    """(ids, mask, position_ids or None, place): the token grid and each record's (row, offset)."""
+    lengths = [len(r.input_ids) for r in records]
+    if pack_len:
+        place, used = pack_rows(lengths, pack_len)
+        R, T = len(used), max(used)
+    else:
+        place, R, T = [(b, 0) for b in range(len(records))], len(records), max(lengths)
+    ids = np.full((R, T), pad_id, dtype=np.int64)
+    mask = np.zeros((R, T), dtype=np.int64)
+    position_ids = np.tile(np.arange(T), (R, 1)) if pack_len else None
+    for r, (row, off) in zip(records, place):
+        n = len(r.input_ids)
+        ids[row, off:off + n] = r.input_ids
+        mask[row, off:off + n] = 1
+        if pack_len:
+            position_ids[row, off:off + n] = np.arange(n)
+    if pack_len:   # the padding after the last sample of a row is a segment of its own
+        for row, u in enumerate(used):
+            position_ids[row, u:] = np.arange(T - u)
+    return ids, mask, position_ids, place
+
+
+def collate(records, *, pad_id, student_vocab, pack_len=0) -> Batch:
+    """Batch cache records.
+
+    Padding (pack_len=0): one sample per row, attention_mask marks real tokens. Packing (pack_len>0):
+    samples share rows of up to pack_len tokens; position_ids restart at 0 for every sample and no
+    attention_mask is passed, from which transformers builds a block-diagonal causal mask, so
+    packed samples never attend to each other.
+    """
+    ids, mask, position_ids, place = _layout(records, pad_id, pack_len)
+    if ids.max() >= student_vocab:
+        raise TrainDataError(f"sample {records[int(np.argmax(ids.max(1)))].sample_id} holds token id {ids.max()} "
+                             f"but the student has {student_vocab} embeddings: the tokenizers differ")
+    bidx = np.concatenate([np.full(len(r.positions), row) for r, (row, _) in zip(records, place)])
+    pos = np.concatenate([r.positions.astype(np.int64) + off for r, (_, off) in zip(records, place)])
+    sidx = np.concatenate([np.full(len(r.positions), i) for i, r in enumerate(records)])
+    tid = np.concatenate([r.topk_ids for r in records]).astype(np.int64)
+    tlp = np.concatenate([r.topk_logprobs for r in records]).astype(np.float32)
+    tail = np.concatenate([r.tail_mass for r in records]).astype(np.float32)
+    # Explicit rule for padded vocabularies (e.g. 152064 teacher rows vs 151936 student rows): teacher ids
+    # the student cannot represent leave the support and their mass joins the tail bucket.
+    outside = tid >= student_vocab
+    n_outside = int(outside.sum())
+    if n_outside:
+        tail = np.clip(tail + np.where(outside, np.exp(tlp), 0.0).sum(1), 0.0, 1.0).astype(np.float32)
+        tid = np.where(outside, -1, tid)
+    as_t = torch.from_numpy
+    return Batch(
+        input_ids=as_t(ids), attention_mask=None if pack_len else as_t(mask),
+        position_ids=None if position_ids is None else as_t(position_ids),
+        batch_index=as_t(bidx.astype(np.int64)), positions=as_t(pos), sample_index=as_t(sidx.astype(np.int64)),
+        targets=as_t(ids[bidx, pos + 1]), topk_ids=as_t(tid), topk_logprobs=as_t(tlp), tail_mass=as_t(tail),
+        n_tokens=int(mask.sum()), n_outside_vocab=n_outside,
+        sample_ids=[r.sample_id for r in records], truncated=[r.truncated for r in records])
