@@ -64,12 +64,16 @@ class ShardFetcher:
             self._evict(keep=j)
         return path
 
+    def _local(self, j):
+        """Where shard position j lives here: a name of ours, never a path taken from the manifest."""
+        return os.path.join(self.dir, f"shard-{j:06d}")
+
     def _inflight(self):
         return sum(self.shards[j]["bytes"] for j, f in self._futures.items() if not f.done())
 
     def _download(self, j):
         info = self.shards[j]
-        local = os.path.join(self.dir, *info["path"].split("/"))
+        local = self._local(j)
         for attempt in range(RETRIES):
             try:
                 self.loc.download(info["path"], local)
@@ -106,8 +110,7 @@ class ShardFetcher:
             total -= self._present.pop(j)
             self._futures.pop(j, None)
             self._consumed.discard(j)
-            path = os.path.join(self.dir, *self.shards[j]["path"].split("/"))
-            remove(path)
+            remove(self._local(j))
 
     @property
     def bytes_on_disk(self):

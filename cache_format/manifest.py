@@ -4,6 +4,7 @@ Written last and atomically. A shard not listed here does not exist for readers.
 """
 import json
 import os
+import re
 import time
 
 from .errors import ManifestError, ManifestMissing
@@ -18,6 +19,8 @@ REQUIRED = ("format", "format_version", "backend", "top_k", "vocab_size", "eos_t
             "logprob_dtype", "fingerprint", "num_shards_planned", "complete", "shards", "counts")
 SHARD_REQUIRED = ("index", "path", "sample_start", "sample_end", "num_samples", "num_tokens",
                   "num_positions", "bytes", "sha256")
+COUNTS = ("samples", "tokens", "positions", "bytes")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def shard_name(index: int, backend_ext: str, tag: str | None = None) -> str:
@@ -92,8 +95,17 @@ def load_manifest(where):
 
 
 def validate_manifest(m, where):
+    """Check every field's type and range (SPEC.md section 3); ManifestError naming the key and what it found.
+
+    A manifest may come from anywhere (a shared bucket, a download): nothing in it is trusted until
+    this passes, and no local path is ever built from it except through safe_shard_path.
+    """
     loc = as_location(where)
     path = loc.path(MANIFEST_NAME)
+
+    def bad(what):
+        raise ManifestError(f"{path}: {what}; the manifest is damaged or was not written by kdcache")
+
     if not isinstance(m, dict):
         raise ManifestError(f"{path}: expected a JSON object, found {type(m).__name__}")
     if m.get("format") != FORMAT_NAME:
@@ -108,19 +120,54 @@ def validate_manifest(m, where):
         raise ManifestError(f"{path}: missing keys {missing}")
     if m["logprob_dtype"] not in LOGPROB_DTYPES:
         raise ManifestError(f"{path}: logprob_dtype {m['logprob_dtype']!r} not in {LOGPROB_DTYPES}")
-    if not isinstance(m["top_k"], int) or m["top_k"] < 1:
-        raise ManifestError(f"{path}: top_k must be a positive integer, found {m['top_k']!r}")
+    for key, ok, need in [
+        ("backend", isinstance(m["backend"], str), "a string"),
+        ("top_k", _count(m["top_k"], 1), "a positive integer"),
+        ("vocab_size", _count(m["vocab_size"], 1), "a positive integer"),
+        ("eos_token_ids", isinstance(m["eos_token_ids"], list) and m["eos_token_ids"]
+         and all(_count(t) and t < m["vocab_size"] for t in m["eos_token_ids"]), "a non-empty list of token ids"),
+        ("fingerprint", isinstance(m["fingerprint"], str), "a string"),
+        ("num_shards_planned", _count(m["num_shards_planned"], 1), "a positive integer"),
+        ("complete", isinstance(m["complete"], bool), "true or false"),
+        ("shards", isinstance(m["shards"], list), "a list"),
+        ("counts", isinstance(m["counts"], dict) and all(_count(m["counts"].get(c)) for c in COUNTS),
+         f"an object of non-negative integers {list(COUNTS)}"),
+    ]:
+        if not ok:
+            bad(f"{key} must be {need}, found {m[key]!r}")
     seen = set()
     for s in m["shards"]:
-        gone = [k for k in SHARD_REQUIRED if k not in s]
-        if gone:
-            raise ManifestError(f"{path}: shard entry {s.get('index')} misses keys {gone}")
+        _check_shard_entry(s, m["num_shards_planned"], bad)
         if s["index"] in seen:
             raise ManifestError(f"{path}: shard index {s['index']} listed twice")
         seen.add(s["index"])
         check_shard_path(loc, s["path"])
         if not loc.remote:
             safe_shard_path(loc.url, s["path"])
+
+
+def _count(x, least=0):
+    """x is an int (not a bool) >= least."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= least
+
+
+def _check_shard_entry(s, planned, bad):
+    if not isinstance(s, dict):
+        bad(f"a shard entry must be an object, found {s!r}")
+    gone = [k for k in SHARD_REQUIRED if k not in s]
+    if gone:
+        bad(f"shard entry {s.get('index')!r} misses keys {gone}")
+    where = f"shard entry {s['index']!r}"
+    if not _count(s["index"]) or s["index"] >= planned:
+        bad(f"{where}: index must be an integer in [0, {planned}), found {s['index']!r}")
+    counts = [k for k in ("sample_start", "sample_end", "num_samples", "num_tokens", "num_positions", "bytes",
+                          "num_truncated") if k in s and not _count(s[k])]
+    if counts:
+        bad(f"{where}: {counts[0]} must be a non-negative integer, found {s[counts[0]]!r}")
+    if s["sample_end"] < s["sample_start"] or s["num_samples"] > s["sample_end"] - s["sample_start"]:
+        bad(f"{where}: {s['num_samples']} samples do not fit its range [{s['sample_start']}, {s['sample_end']})")
+    if not (isinstance(s["sha256"], str) and SHA256_RE.match(s["sha256"])):
+        bad(f"{where}: sha256 must be 64 lowercase hex digits, found {s['sha256']!r}")
 
 
 def check_shard_path(where, rel):

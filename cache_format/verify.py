@@ -51,9 +51,11 @@ def verify_cache(directory, *, structure=True) -> Report:
     seen_ids = set()
     scratch = tempfile.mkdtemp(prefix="kdcache-verify-") if loc.remote else None
     try:
-        for info in m["shards"]:
+        for n, info in enumerate(m["shards"]):
             listed.add(info["path"])
-            _verify_shard(loc, m, info, rep, seen_ids, structure, scratch)
+            # A remote shard is checked on a local copy whose name is ours, never built from the manifest.
+            local = os.path.join(scratch, f"shard-{n:06d}") if scratch else None
+            _verify_shard(loc, m, info, rep, seen_ids, structure, local)
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -64,13 +66,13 @@ def verify_cache(directory, *, structure=True) -> Report:
     return rep
 
 
-def _verify_shard(loc, m, info, rep, seen_ids, structure, scratch):
+def _verify_shard(loc, m, info, rep, seen_ids, structure, local):
     name = info["path"]
     try:
         check_shard_path(loc, name)
-        path = os.path.join(scratch, str(info["index"])) if loc.remote else safe_shard_path(loc.url, name)
+        path = local if loc.remote else safe_shard_path(loc.url, name)
         if loc.remote:
-            loc.download(name, path)          # a remote shard is checked on a local copy
+            loc.download(name, path)
     except CacheError as e:
         rep.problems.append((name, str(e)))
         return

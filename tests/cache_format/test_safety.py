@@ -253,3 +253,54 @@ def test_a_shard_of_another_format_version_is_refused_by_name(tmp_path, backend,
     rep = verify_cache(tmp_path / "v2")
     assert [w for w, _ in rep.problems] == [f"shards/{name}", f"shards/shard-00001.{backend}"]
     assert all("format version" in why for _, why in rep.problems)
+
+
+def _tamper(loc, change):
+    """Rewrite a cache's manifest.json with change(manifest) applied (a hostile or damaged manifest)."""
+    from cache_format.location import Location
+    loc = Location(str(loc))
+    m = json.loads(loc.read_bytes("manifest.json"))
+    change(m)
+    loc.write_bytes("manifest.json", json.dumps(m).encode())
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("index", "../../../../victim", "index must be an integer"),
+    ("index", 7, r"index must be an integer in \[0, 2\)"),
+    ("index", True, "index must be an integer"),
+    ("sample_start", -5, "sample_start must be a non-negative integer"),
+    ("num_samples", 10 ** 6, "samples do not fit its range"),
+    ("bytes", "12", "bytes must be a non-negative integer"),
+    ("sha256", "../x", "sha256 must be 64 lowercase hex digits"),
+])
+def test_manifest_fields_are_type_and_range_checked(tmp_path, field, value, says):
+    write_cache(tmp_path, make_records(20), shard_size=10, **writer_kwargs("arrow"))
+    _tamper(tmp_path, lambda m: m["shards"][0].update({field: value}))
+    with pytest.raises(ManifestError, match=says):
+        open_cache(tmp_path)
+    rep = verify_cache(tmp_path)
+    assert not rep.ok and rep.problems[0][0] == "manifest.json" and "damaged" in rep.problems[0][1]
+
+
+@pytest.mark.parametrize("key,value", [("top_k", "8"), ("eos_token_ids", [-1]), ("counts", {"samples": -1}),
+                                       ("complete", "yes"), ("shards", {"0": {}})])
+def test_manifest_top_level_fields_are_checked(tmp_path, key, value):
+    write_cache(tmp_path, make_records(20), shard_size=10, **writer_kwargs("arrow"))
+    _tamper(tmp_path, lambda m: m.update({key: value}))
+    with pytest.raises(ManifestError, match=rf"{key} must be"):
+        open_cache(tmp_path)
+
+
+def test_remote_verify_never_writes_where_a_hostile_manifest_says(tmp_path):
+    """The reported attack: `index` joined into verify's scratch path made download() replace any file."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    url = "memory://kd/hostile"
+    write_cache(url, make_records(20), shard_size=10, **writer_kwargs("arrow"))
+    rel = os.path.relpath(victim, "/")                                     # from / after climbing out
+    _tamper(url, lambda m: m["shards"][0].update({"index": "../" * 8 + rel}))
+    rep = verify_cache(url)
+    assert victim.read_text() == "precious"
+    assert not rep.ok and "index must be an integer" in rep.problems[0][1]
+    _tamper(url, lambda m: m["shards"][0].update({"index": 0}))               # sound again: verify passes
+    assert verify_cache(url).ok and victim.read_text() == "precious"
