@@ -29,7 +29,7 @@ def shard_name(index: int, backend_ext: str, tag: str | None = None) -> str:
 
 
 def new_manifest(*, backend, top_k, vocab_size, eos_token_ids, fingerprint, fingerprint_parts,
-                 num_shards_planned, logprob_dtype="float16", meta=None):
+                 num_shards_planned, logprob_dtype="float16", meta=None, plan=None):
     if logprob_dtype not in LOGPROB_DTYPES:
         raise ManifestError(f"logprob_dtype must be one of {LOGPROB_DTYPES}, got {logprob_dtype!r}")
     now = _now()
@@ -50,6 +50,7 @@ def new_manifest(*, backend, top_k, vocab_size, eos_token_ids, fingerprint, fing
         "counts": {"samples": 0, "tokens": 0, "positions": 0, "bytes": 0},
         "shards": [],
         "meta": meta or {},
+        **({"plan": plan} if plan else {}),
     }
 
 
@@ -132,9 +133,12 @@ def validate_manifest(m, where):
         ("shards", isinstance(m["shards"], list), "a list"),
         ("counts", isinstance(m["counts"], dict) and all(_count(m["counts"].get(c)) for c in COUNTS),
          f"an object of non-negative integers {list(COUNTS)}"),
+        ("plan", m.get("plan") is None or (isinstance(m["plan"], dict) and _count(m["plan"].get("shard_size"), 1)
+                                           and _count(m["plan"].get("records"))),
+         "absent or an object of shard_size >= 1 and records >= 0"),
     ]:
         if not ok:
-            bad(f"{key} must be {need}, found {m[key]!r}")
+            bad(f"{key} must be {need}, found {m.get(key)!r}")
     seen = set()
     for s in m["shards"]:
         _check_shard_entry(s, m["num_shards_planned"], bad)

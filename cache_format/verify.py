@@ -47,6 +47,7 @@ def verify_cache(directory, *, structure=True) -> Report:
         total = sum(s["num_" + key] if key != "bytes" else s["bytes"] for s in m["shards"])
         if total != m["counts"][key]:
             rep.problems.append(("manifest.json", f"counts.{key} is {m['counts'][key]}, shards add up to {total}"))
+    _coverage(m, rep)
     listed = set()
     seen_ids = set()
     scratch = tempfile.mkdtemp(prefix="kdcache-verify-") if loc.remote else None
@@ -135,6 +136,28 @@ def _verify_records(path, m, info, rep, seen_ids):
     for what, got in (("samples", n), ("tokens", tokens), ("positions", positions)):
         if got != info["num_" + what]:
             rep.problems.append((name, f"holds {got} {what}, the manifest says {info['num_' + what]}"))
+
+
+def _coverage(m, rep):
+    """Shard ranges tile the records with no gap or overlap (and match the recorded plan): a complete cache
+    never lacks a record. Records skipped as bad lie inside ranges; they are counted in meta.skipped."""
+    plan = m.get("plan")
+    end = 0
+    for s in m["shards"]:                          # sorted by index
+        j, lo, hi = s["index"], s["sample_start"], s["sample_end"]
+        if plan:
+            size, n = plan["shard_size"], plan["records"]
+            want = (min(j * size, n), min((j + 1) * size, n))
+            if (lo, hi) != want:
+                rep.problems.append(("manifest.json", f"shard {j} covers records [{lo}, {hi}), the plan "
+                                     f"({size} per shard) gives it [{want[0]}, {want[1]})"))
+        elif m["complete"] and lo != end:
+            rep.problems.append(("manifest.json", f"records [{min(end, lo)}, {max(end, lo)}) are "
+                                 f"{'in no shard' if lo > end else 'in two shards'} (before shard {j})"))
+        end = hi
+    if plan and m["complete"] and m["shards"] and m["shards"][-1]["sample_end"] != plan["records"]:
+        rep.problems.append(("manifest.json", f"complete, but the shards end at record "
+                             f"{m['shards'][-1]['sample_end']} of {plan['records']}"))
 
 
 def _orphans(loc, listed, rep):

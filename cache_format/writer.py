@@ -101,16 +101,22 @@ class CacheWriter:
     """
 
     def __init__(self, directory, *, backend, top_k, vocab_size, eos_token_ids, fingerprint_parts,
-                 num_shards_planned, logprob_dtype="float16", codec=None, meta=None):
+                 num_shards_planned=None, shard_size=None, num_records=None, logprob_dtype="float16", codec=None,
+                 meta=None):
+        """The plan: shard_size and num_records (shard j covers records [j*shard_size, ...)), recorded in
+        the manifest and checked on resume and on every commit; or num_shards_planned alone (ranges unchecked)."""
         self.location = as_location(directory)
         self.directory = self.location.url
         self.backend, self.top_k, self.vocab_size = backend, int(top_k), int(vocab_size)
         self.logprob_dtype, self.codec = logprob_dtype, default_codec(backend, codec)
         fp, parts = cache_fingerprint(fingerprint_parts, backend=backend, top_k=top_k,
                                       logprob_dtype=logprob_dtype, codec=self.codec)
+        self.plan = None if shard_size is None else {"shard_size": int(shard_size), "records": int(num_records)}
+        if self.plan:
+            num_shards_planned = num_shards(num_records, shard_size)
         self._init = dict(backend=backend, top_k=top_k, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
-                          fingerprint=fp, fingerprint_parts=parts,
-                          num_shards_planned=num_shards_planned, logprob_dtype=logprob_dtype, meta=meta)
+                          fingerprint=fp, fingerprint_parts=parts, num_shards_planned=num_shards_planned,
+                          logprob_dtype=logprob_dtype, meta=meta, plan=self.plan)
         self._lock = (Lease(self.location, LOCK_NAME, exclusive=True) if self.location.remote
                       else DirLock(self.directory))
         # Object stores: this job's shards carry its lease id in their names (see write_shard_file).
@@ -151,9 +157,29 @@ class CacheWriter:
     def _check_same(self, old):
         new = self._init
         _refuse_other_inputs(self.directory, old, new["fingerprint"], new["fingerprint_parts"])
+        if self.plan and old.get("plan") not in (None, self.plan):
+            raise ManifestError(
+                f"{self.directory}: this cache was started with shards of {old['plan']['shard_size']} records "
+                f"({old['plan']['records']} records in all); this run plans {self.plan['shard_size']} "
+                f"({self.plan['records']}). Resume with --shard-size {old['plan']['shard_size']}, or use a new "
+                "output directory.")
         if old["num_shards_planned"] != new["num_shards_planned"]:
             raise ManifestError(f"{self.directory}: planned {old['num_shards_planned']} shards before, "
                                 f"{new['num_shards_planned']} now, with the same fingerprint")
+        for s in old["shards"]:              # caches written before the plan was recorded
+            self._check_range(s, "was committed")
+
+    def _check_range(self, info, what):
+        """A shard must cover exactly the records the plan gives its index, or samples could be lost."""
+        if not self.plan:
+            return
+        j, size, n = info["index"], self.plan["shard_size"], self.plan["records"]
+        want = (min(j * size, n), min((j + 1) * size, n))
+        if (info["sample_start"], info["sample_end"]) != want:
+            raise ManifestError(
+                f"{self.directory}: shard {j} {what} for records [{info['sample_start']}, {info['sample_end']}) "
+                f"but this run's plan ({size} records per shard) gives it [{want[0]}, {want[1]}). Resume with the "
+                "--shard-size the cache was started with, or use a new output directory.")
 
     def done_indices(self):
         return {s["index"] for s in self.manifest["shards"]}
@@ -173,6 +199,7 @@ class CacheWriter:
         if not 0 <= info["index"] < self.manifest["num_shards_planned"]:
             raise ManifestError(f"{self.directory}: shard index {info['index']} outside the plan "
                                 f"[0, {self.manifest['num_shards_planned']})")
+        self._check_range(info, "was written")
         self.manifest["shards"].append(info)
         recount(self.manifest)
         self._save()
@@ -197,11 +224,16 @@ class CacheWriter:
         self.close()
 
 
+def num_shards(num_records, shard_size):
+    """Shards of the plan: ceil(records / shard_size), and one (empty) shard for no records."""
+    return max(1, -(-int(num_records) // int(shard_size)))
+
+
 def write_cache(directory, records, *, shard_size, **kwargs):
     """Write a whole cache in this process: records in order, shard_size per shard."""
     records = list(records)
-    n_shards = max(1, -(-len(records) // shard_size))
-    with CacheWriter(directory, num_shards_planned=n_shards, **kwargs) as w:
+    n_shards = num_shards(len(records), shard_size)
+    with CacheWriter(directory, shard_size=shard_size, num_records=len(records), **kwargs) as w:
         for j in range(n_shards):
             if j in w.done_indices():
                 continue

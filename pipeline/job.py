@@ -18,7 +18,7 @@ from cache_format.location import Location
 from cache_format.store import is_store
 from cache_format.store import resolve as resolve_in_store
 from cache_format.tokenizer_id import tokenizer_identity
-from cache_format.writer import cache_fingerprint, existing_manifest
+from cache_format.writer import cache_fingerprint, existing_manifest, num_shards
 
 from . import summary as report
 from .data import iter_records, parse_record
@@ -165,13 +165,14 @@ def scan(cfg, encoder, spool):
 def run_job(job, spool):
     cfg = job.cfg
     n_records, skipped = scan(cfg, job.encoder, spool)
-    n_units = max(1, -(-n_records // cfg.shard_size))
+    n_units = num_shards(n_records, cfg.shard_size)
     meta = {"teacher": os.path.basename(os.path.abspath(cfg.teacher)), "dataset": os.path.basename(cfg.data),
             "mode": cfg.mode, "teacher_backend": job.teacher_backend, "dtype": job.dtype,
             "tokenizer": job.tokenizer_id, "records": n_records,
             "skipped": dict(Counter(s["reason"] for s in skipped))}
     writer = CacheWriter(cfg.out, backend=cfg.format, top_k=cfg.top_k, vocab_size=job.vocab_size,
-                         eos_token_ids=job.eos_ids, fingerprint_parts=job.parts, num_shards_planned=n_units,
+                         eos_token_ids=job.eos_ids, fingerprint_parts=job.parts, shard_size=cfg.shard_size,
+                         num_records=n_records,
                          logprob_dtype=cfg.logprob_dtype, codec=cfg.codec, meta=meta)
     with writer:
         report.save_reports(cfg, skipped)

@@ -304,3 +304,34 @@ def test_remote_verify_never_writes_where_a_hostile_manifest_says(tmp_path):
     assert not rep.ok and "index must be an integer" in rep.problems[0][1]
     _tamper(url, lambda m: m["shards"][0].update({"index": 0}))               # sound again: verify passes
     assert verify_cache(url).ok and victim.read_text() == "precious"
+
+
+def test_a_resume_with_another_shard_plan_is_refused(tmp_path):
+    recs = make_records(100)
+    with CacheWriter(tmp_path, shard_size=50, num_records=100, **writer_kwargs("arrow")) as w:
+        w.write_shard(0, recs[:50], sample_start=0, sample_end=50)
+    with pytest.raises(ManifestError, match=r"shards of 50 records.*plans 99.*Resume with --shard-size 50"):
+        CacheWriter(tmp_path, shard_size=99, num_records=100, **writer_kwargs("arrow")).open()
+    assert len(open_cache(tmp_path)) == 50 and not open_cache(tmp_path).complete
+
+
+def test_a_resume_of_an_old_cache_without_a_recorded_plan_checks_the_ranges(tmp_path):
+    recs = make_records(100)
+    with CacheWriter(tmp_path, num_shards_planned=2, **writer_kwargs("arrow")) as w:     # no plan recorded
+        w.write_shard(0, recs[:50], sample_start=0, sample_end=50)
+    with pytest.raises(ManifestError, match=r"shard 0 was committed for records \[0, 50\).*gives it \[0, 99\)"):
+        CacheWriter(tmp_path, shard_size=99, num_records=100, **writer_kwargs("arrow")).open()
+    w = CacheWriter(tmp_path, shard_size=50, num_records=100, **writer_kwargs("arrow")).open()   # the same plan
+    with pytest.raises(ManifestError, match=r"shard 1 was written for records \[60, 100\)"):
+        w.write_shard(1, recs[60:], sample_start=60, sample_end=100)                # a gap is never committed
+    w.close()
+
+
+def test_verify_finds_records_in_no_shard(tmp_path):
+    """A complete manifest whose shards leave a gap (as the old resume could write) fails verify, naming it."""
+    recs = make_records(100)
+    with CacheWriter(tmp_path, num_shards_planned=2, **writer_kwargs("arrow")) as w:
+        w.write_shard(0, recs[:50], sample_start=0, sample_end=50)
+        w.write_shard(1, recs[99:], sample_start=99, sample_end=100)
+    rep = verify_cache(tmp_path)
+    assert ("manifest.json", "records [50, 99) are in no shard (before shard 1)") in rep.problems
