@@ -42,8 +42,7 @@ def run_command(prog, description, cls, run, argv=None, extra_args=None):
     if extra_args:
         extra_args(p)
     args = p.parse_args(argv)
-    run(load(cls, args.config, overrides_from(args, cls)))
-    return 0
+    return run(load(cls, args.config, overrides_from(args, cls))) or 0
 
 
 def _base_type(tp):

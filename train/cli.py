@@ -1,5 +1,7 @@
 """`kdcache train`: distil a student from a logit cache with DeepSpeed. Never runs the teacher."""
 import argparse
+import os
+import sys
 
 from kdcache.config import run_command
 
@@ -14,10 +16,15 @@ def _launcher_args(p):
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
 
 
-def _run(cfg):
+def _run(cfg, argv):
+    if cfg.nproc_per_node > 1 and "RANK" not in os.environ:
+        from .launch import launch
+        return launch(argv, cfg.nproc_per_node)
     from .trainer import train
     train(cfg)
 
 
 def main(argv=None):
-    return run_command("kdcache train", DESCRIPTION, TrainConfig, _run, argv, extra_args=_launcher_args)
+    argv = sys.argv[2:] if argv is None else list(argv)
+    return run_command("kdcache train", DESCRIPTION, TrainConfig, lambda cfg: _run(cfg, argv), argv,
+                       extra_args=_launcher_args)

@@ -35,6 +35,8 @@ class TrainConfig:
     seed: int = field(0, "seed of the data order, initialisation and RNGs")
     shuffle: bool = field(True, "shuffle shards and samples each epoch (--no-shuffle: cache order)")
     # runtime
+    nproc_per_node: int = field(1, "ranks to launch on this machine (kdcache's own launcher: survives a hang-up "
+                                   "under nohup, lets every rank finish its checkpoint on SIGTERM)")
     deepspeed: str = field("0", "ZeRO stage 0-3, or a DeepSpeed JSON config file")
     save_every: int = field(100, "checkpoint every N optimizer steps (0 = only at the end and on signals)")
     keep_checkpoints: int = field(2, "complete checkpoints kept")
@@ -52,6 +54,7 @@ class TrainConfig:
     def __post_init__(self):
         validate(self, required=("cache", "student", "out"), checks=[
             ("loss_chunk", self.loss_chunk >= 1, "must be >= 1"),
+            ("nproc_per_node", self.nproc_per_node >= 1, "must be >= 1"),
             ("lr", self.lr > 0, "must be > 0"),
             ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]"),
             ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),

@@ -273,6 +273,7 @@ def _grad_norm(engine):
 
 
 def _resume_hint():
+    """The command that resumes this run, as it was launched (kdcache's launcher, torchrun, or one process)."""
     args, skip = [], False
     for a in sys.argv[1:]:
         if skip:
@@ -281,7 +282,14 @@ def _resume_hint():
             skip = True
         elif not a.startswith(("--stop-after=", "--local_rank", "--local-rank")):
             args.append(a)
-    return " ".join(["kdcache", *args]) + "   (the same command: --resume auto is the default)"
+    if os.environ.get("KDCACHE_LAUNCH"):                       # train/launch.py
+        args.append(os.environ["KDCACHE_LAUNCH"])
+        prefix = ["kdcache"]
+    elif os.environ.get("TORCHELASTIC_RUN_ID"):                # torchrun
+        prefix = ["torchrun", "--nproc_per_node", os.environ.get("LOCAL_WORLD_SIZE", "?"), "-m", "kdcache"]
+    else:
+        prefix = ["kdcache"]
+    return " ".join([*prefix, *args]) + "   (the same command: --resume auto is the default)"
 
 
 def _progress(cfg, rank, total, initial):

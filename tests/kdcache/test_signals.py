@@ -38,3 +38,20 @@ def test_second_signal_exits_at_once_when_asked():
     assert res.returncode == 130
     assert "still here" in res.stdout and "not reached" not in res.stdout
     assert "SIGTERM: finishing, then stopping" in res.stderr and "SIGTERM again: exiting now" in res.stderr
+
+
+def test_an_ignored_sighup_stays_ignored_as_nohup_asks():
+    code = textwrap.dedent("""
+        import os, signal
+        from kdcache.signals import StopFlag
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)          # what nohup does before exec
+        flag = StopFlag().install()
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert not flag, "a hang-up under nohup stopped the run"
+        os.kill(os.getpid(), signal.SIGTERM)                  # SIGTERM still stops it cleanly
+        assert flag.signal == "SIGTERM"
+        print("ok", flush=True)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr

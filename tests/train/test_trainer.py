@@ -197,3 +197,51 @@ def test_bad_config_values_are_refused_with_the_key(setup, tmp_path):
     cfg.write_text("temprature: 2.0\n")
     res = run(train_cmd(setup, tmp_path / "o", "--config", cfg))
     assert res.returncode == 2 and "unknown config key" in res.stderr and "temprature" in res.stderr
+
+
+def _launched(setup, out, steps, *extra):
+    """`setsid nohup kdcache train --nproc-per-node 2 ...`: a 2-rank run in its own process group, as a user
+    starts a long job they mean to leave running."""
+    cmd = ["setsid", "nohup", *train_cmd(setup, out, "--max-steps", steps, "--batch-size", 2, "--save-every", 0,
+                                         "--threads", 1, "--nproc-per-node", 2, *extra)]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _signal_group_mid_run(proc, out, sig, steps):
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and len(open(out / "metrics.jsonl").readlines()) >= 2:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    os.killpg(proc.pid, sig)                                           # the whole group: launcher and ranks
+    output, _ = proc.communicate(timeout=400)
+    return output
+
+
+def test_two_ranks_under_nohup_survive_a_hangup_of_the_whole_group(setup, tmp_path):
+    out, steps = tmp_path / "o", 12
+    proc = _launched(setup, out, steps)
+    output = _signal_group_mid_run(proc, out, signal.SIGHUP, steps)
+    assert proc.returncode == 0, output[-3000:]
+    assert [r["step"] for r in losses(out)] == list(range(1, steps + 1))   # every step, nothing stopped
+    assert "stopped by" not in output and (out / "final" / "config.json").exists()
+
+
+def test_two_ranks_finish_their_checkpoint_on_sigterm_and_the_hint_relaunches_them(setup, tmp_path):
+    out, steps = tmp_path / "o", 12
+    proc = _launched(setup, out, steps)
+    output = _signal_group_mid_run(proc, out, signal.SIGTERM, steps)
+    assert proc.returncode == 0, output[-3000:]
+    assert "stopped by SIGTERM" in output and "--nproc-per-node 2" in output.split("Resume with:")[1]
+    stopped_at = len(losses(out))
+    assert 2 <= stopped_at < steps, "the signal arrived after the run finished"
+    ck = out / "checkpoints" / f"step-{stopped_at:08d}"
+    assert json.load(open(ck / "complete.json"))["world_size"] == 2        # both ranks' state, complete
+    res = run(train_cmd(setup, out, "--max-steps", steps, "--batch-size", 2, "--save-every", 0, "--threads", 1,
+                        "--nproc-per-node", 2))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert [r["step"] for r in losses(out)] == list(range(1, steps + 1))

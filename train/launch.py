@@ -1,0 +1,81 @@
+"""`kdcache train --nproc-per-node N`: N local ranks under a launcher that never cuts a checkpoint short.
+
+torchrun's elastic agent and the DeepSpeed launcher handle SIGHUP and SIGTERM themselves: they
+forward the signal, then SIGKILL the ranks about 30 s later (a large checkpoint can be cut mid-write),
+and torchrun installs its SIGHUP handler even under `nohup`. This launcher does neither:
+  - SIGHUP stays ignored if it was ignored when it started (nohup), in itself and in every rank;
+  - SIGTERM, SIGINT (and a SIGHUP that is not ignored) are forwarded once to every rank, and the
+    launcher waits for them to finish the step and the checkpoint, however long that takes;
+  - a rank that fails makes the launcher stop the others (SIGTERM, SIGKILL after GRACE_S) and exit
+    with the failing rank's status.
+Single node only; for several nodes use torchrun or the DeepSpeed launcher.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+GRACE_S = 600   # a failed rank's peers get this long to exit after SIGTERM before SIGKILL
+
+
+def without_nproc(argv):
+    """argv minus --nproc-per-node and its value (a rank must not launch ranks)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--nproc-per-node", "--nproc_per_node"):
+            skip = True
+        elif not a.startswith(("--nproc-per-node=", "--nproc_per_node=")):
+            out.append(a)
+    return out
+
+
+def launch(argv, nproc):
+    """Run `kdcache train argv` as nproc ranks on this machine; returns the exit status."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc), KDCACHE_LAUNCH=f"--nproc-per-node {nproc}")
+    cmd = [sys.executable, "-m", "kdcache", "train", *without_nproc(argv)]
+    ranks = [subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in range(nproc)]
+    forwarded = set()
+
+    def forward(signum, frame):
+        if signum not in forwarded:        # a signal sent to the whole group reaches the ranks directly too
+            forwarded.add(signum)
+            for p in ranks:
+                if p.poll() is None:
+                    p.send_signal(signum)
+
+    handled = [signal.SIGTERM, signal.SIGINT]
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        handled.append(signal.SIGHUP)
+    for sig in handled:
+        signal.signal(sig, forward)
+    return _wait(ranks)
+
+
+def _wait(ranks):
+    """Wait for every rank; if one fails, stop the rest. The first failure's status, else 0."""
+    status = 0
+    while any(p.poll() is None for p in ranks):
+        failed = [p.returncode for p in ranks if p.returncode not in (None, 0)]
+        if failed and not status:
+            status = failed[0]
+            for p in ranks:
+                if p.poll() is None:
+                    p.terminate()
+            deadline = time.time() + GRACE_S
+            while any(p.poll() is None for p in ranks) and time.time() < deadline:
+                time.sleep(0.2)
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.2)
+    failed = [p.returncode for p in ranks if p.returncode != 0]
+    status = status or (failed[0] if failed else 0)
+    return 128 - status if status < 0 else status      # killed by signal N: the shell's 128 + N
