@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from cache_format import CacheError, CacheWriter, hash_json, hash_tree
-from cache_format.errors import BadRecord, DataError, SkipSample
+from cache_format.errors import BadRecord, ConfigError, DataError, SkipSample
 from cache_format.lease import stamp_use
 from cache_format.location import Location
 from cache_format.store import is_store
@@ -59,9 +59,23 @@ class Job:
             generate=gen)
 
 
+def check_paths(cfg):
+    """The teacher, tokenizer and dataset exist, before anything is loaded or started."""
+    local = ("kdcache reads models from local directories: download a hub model first "
+             "(huggingface-cli download NAME --local-dir DIR) and pass DIR")
+    if not os.path.isfile(os.path.join(cfg.teacher, "config.json")):
+        raise ConfigError(f"teacher: {cfg.teacher} is not a model directory (no config.json there); {local}")
+    if cfg.tokenizer and not os.path.isdir(cfg.tokenizer):
+        raise ConfigError(f"tokenizer: {cfg.tokenizer} is not a directory; {local}")
+    if not os.path.exists(cfg.data):
+        raise DataError(f"dataset {cfg.data} does not exist (hub dataset names need network access: save the "
+                        "dataset to disk with datasets' save_to_disk and pass the directory)")
+
+
 def settle(cfg, t_start):
     """The Job: tokenizer, end-of-turn ids, teacher backend, dtype and fingerprint parts."""
     from transformers import AutoConfig, AutoTokenizer
+    check_paths(cfg)
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.teacher, trust_remote_code=cfg.trust_remote_code)
     eos_ids = end_of_turn_ids(tok, [tok.convert_tokens_to_ids(t) for t in cfg.eos_tokens])
     encoder = Encoder(tok, template=cfg.template, max_length=cfg.max_length, overlong=cfg.overlong,
@@ -73,6 +87,9 @@ def settle(cfg, t_start):
     gpus = worker_gpus(cfg)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if gpus > 0 else "float32")
     vocab_size = AutoConfig.from_pretrained(cfg.teacher, trust_remote_code=cfg.trust_remote_code).vocab_size
+    if cfg.top_k > vocab_size:
+        raise ConfigError(f"top_k: {cfg.top_k} is more than the teacher's vocabulary of {vocab_size} tokens; "
+                          f"use --top-k {vocab_size} or less")
     tok_id = tokenizer_identity(tok)
     parts = fingerprint_parts(cfg, tok_id, eos_ids, backend, dtype)
     return Job(cfg, encoder, tok_id, eos_ids, backend, gpus, dtype, vocab_size, parts, t_start)
@@ -159,6 +176,11 @@ def scan(cfg, encoder, spool):
     if bad and cfg.on_bad_record == "fail":
         raise DataError(f"{bad[0]['where']}: {bad[0]['message']} ({len(bad)} malformed record(s) in all; "
                         "fix them, or pass --on-bad-record skip to skip and list them)")
+    if n == len(skipped):
+        why = ", ".join(f"{k}: {v}" for k, v in sorted(Counter(s["reason"] for s in skipped).items()))
+        raise DataError(f"dataset {cfg.data}: no usable records" + (f" ({n} read, all skipped: {why}; the first: "
+                        f"{skipped[0]['where']}: {skipped[0]['message']})" if n else " (it is empty)")
+                        + "; nothing to cache")
     return n, skipped
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from cache_format.atomic import atomic_write_bytes
-from cache_format.errors import TrainDataError
+from cache_format.errors import ConfigError, TrainDataError
+from cache_format.manifest import load_manifest
 from cache_format.record import lacks_end_of_turn
 from kdcache.config import dump
 from kdcache.signals import StopFlag
@@ -76,7 +77,20 @@ def train(cfg):
     return finish(run, reason, resume_cmd)                # 4. last checkpoint, final model, loss curve
 
 
+def check_inputs(cfg):
+    """The cache, the student and its tokenizer, checked before any DeepSpeed start-up (which can take a
+    minute the first time): a wrong path costs seconds. Returns the student's tokenizer."""
+    manifest = load_manifest(cfg.cache)
+    if not os.path.exists(cfg.student):
+        raise ConfigError(f"student: {cfg.student} does not exist (a model directory, or a config.json for a "
+                          "fresh student)")
+    tok = load_tokenizer(cfg)
+    check_tokenizer(tok, manifest, cfg.cache)                       # rule 2: token-exact or refused
+    return tok
+
+
 def setup(cfg):
+    tok = check_inputs(cfg)
     rank, world = init_distributed()
     import deepspeed
     if not torch.cuda.is_available():
@@ -86,8 +100,6 @@ def setup(cfg):
                          batch_size=cfg.batch_size, max_tokens=0 if cfg.pack else cfg.max_tokens, prefetch=cfg.prefetch,
                          epochs=None if cfg.max_steps else cfg.epochs, skip_damaged=cfg.skip_damaged_shards,
                          track_use=True)   # a lease on the cache: `kdcache gc` keeps it while this run reads
-    tok = load_tokenizer(cfg)
-    check_tokenizer(tok, stream.cache.manifest, cfg.cache)         # rule 2: token-exact or refused
     model = load_student(cfg.student, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
     student_vocab = model.get_input_embeddings().weight.shape[0]      # before ZeRO-3 partitions it
     ds_cfg = deepspeed_config(cfg)
