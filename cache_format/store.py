@@ -13,6 +13,7 @@ import fcntl
 import os
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .errors import CacheError, ConflictError, LockedError, ManifestMissing
@@ -51,20 +52,33 @@ def cache_name(alias, fingerprint):
 
 
 def is_cache_name(name):
-    return bool(NAME_RE.match(name))
+    return isinstance(name, str) and bool(NAME_RE.fullmatch(name))   # fullmatch: `$` lets a trailing newline in
 
 
 def _claim(fingerprint):
     return f"{CLAIMS_DIR}/{fingerprint[:ID_LEN]}.json"
 
 
+def _read_claim(loc, fingerprint):
+    """The name claimed for this fingerprint, or None if the claim is absent, damaged (a crash mid-write, a
+    hand edit) or names anything but a plain child ending in this fingerprint: a claim is data, never a path."""
+    try:
+        name = loc.read_json(_claim(fingerprint)).get("name")
+    except (FileNotFoundError, ValueError, AttributeError):
+        return None
+    return name if is_cache_name(name) and name.endswith(SEP + fingerprint[:ID_LEN]) else None
+
+
+def _is_link(loc, name):
+    return not loc.remote and os.path.islink(loc.path(name))
+
+
 def find_cache(where, fingerprint):
     """Name of the cache in the store made from these inputs (any alias), or None."""
     loc = as_location(where)
-    try:
-        return loc.read_json(_claim(fingerprint))["name"]
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        pass
+    name = _read_claim(loc, fingerprint)
+    if name is not None:
+        return name
     suffix = SEP + fingerprint[:ID_LEN]          # a cache copied in by hand has no claim
     return next((n for n in loc.list() if n.endswith(suffix) and is_cache_name(n)), None)
 
@@ -72,20 +86,58 @@ def find_cache(where, fingerprint):
 def resolve(where, fingerprint, alias):
     """(URL or path of the cache for this fingerprint, whether it already existed). Creates the store marker.
 
-    A new name is claimed with an exclusive write of .claims/<fingerprint[:16]>.json, so two jobs
-    started at once with the same inputs (under any aliases) agree on one cache; the writer lock
-    then lets only one of them run the teacher.
+    A new name is claimed in .claims/<fingerprint[:16]>.json (see _take_claim), so two jobs started at
+    once with the same inputs (under any aliases) agree on one cache; the writer lock then lets only
+    one of them run the teacher.
     """
     loc = init_store(where)
     name = find_cache(loc, fingerprint)
-    if name is not None:
-        return loc.path(name), True
-    name = cache_name(alias, fingerprint)
+    found = name is not None
+    if not found:
+        name = _take_claim(loc, fingerprint, cache_name(alias, fingerprint))
+    if _is_link(loc, name):
+        raise CacheError(f"{loc.path(name)} is a symbolic link; kdcache does not follow links in a store. "
+                         "Remove the link, or move the cache it points to into the store under that name.")
+    return loc.path(name), found
+
+
+@contextmanager
+def _claims_lock(loc):
+    """Serialise local claim writers (flock: the kernel drops it if the holder dies). An O_EXCL create
+    alone leaves an empty claim after a crash that nobody could safely replace."""
+    path = loc.path(f"{CLAIMS_DIR}/.lock")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
-        loc.write_json(_claim(fingerprint), {"name": name, "fingerprint": fingerprint}, exclusive=True)
-    except ConflictError:
-        name = loc.read_json(_claim(fingerprint))["name"]
-    return loc.path(name), False
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _take_claim(loc, fingerprint, name):
+    """Claim `name` for the fingerprint unless a valid claim exists; returns the name that holds."""
+    body = {"name": name, "fingerprint": fingerprint}
+    if not loc.remote:
+        with _claims_lock(loc):      # under the lock: read, and if absent or damaged, replace (temp + rename)
+            held = _read_claim(loc, fingerprint)
+            if held is None:
+                loc.write_json(_claim(fingerprint), body)
+            return held or name
+    for _ in range(5):    # object stores: create, or replace exactly the damaged version seen (If-Match)
+        etag = loc.etag(_claim(fingerprint))    # the tag first: a claim written after it makes the put fail
+        held = _read_claim(loc, fingerprint)
+        if held is not None:
+            return held
+        try:
+            loc.write_json(_claim(fingerprint), body, exclusive=etag is None, if_match=etag)
+        except ConflictError:
+            continue
+        held = _read_claim(loc, fingerprint)    # stores without conditional puts: the last writer wins
+        if held is not None:
+            return held
+    raise CacheError(f"{loc.path(_claim(fingerprint))}: could not claim a cache name (the claim keeps changing "
+                     "or stays unreadable); delete that file and start again")
 
 
 def parse_time(stamp):
@@ -101,6 +153,7 @@ class Entry:
     error: str | None = None
     readers: list = field(default_factory=list)
     writing: bool = False
+    link: str | None = None              # a store child that is a symbolic link: its target, never followed
     updated: float | None = None         # last commit (or newest file, without a manifest)
     last_used: float | None = None       # last reader, or the last commit if never read
 
@@ -110,6 +163,8 @@ class Entry:
 
     @property
     def state(self):
+        if self.link is not None:
+            return "link"
         if self.error:
             return "unreadable"
         if self.manifest is None:
@@ -150,7 +205,18 @@ def _last_write(c):
     return max(times) if times else None
 
 
+def _link_entry(loc, name):
+    """A child that is a symbolic link: reported, never read or removed through (its target is outside the store)."""
+    path = loc.path(name)
+    target = os.readlink(path)
+    return Entry(name=name, url=path, link=target,
+                 error=f"{path} is a symbolic link to {target}; kdcache does not follow links in a store and "
+                       "left both untouched: remove the link by hand if it is not wanted")
+
+
 def describe_cache(loc, name):
+    if _is_link(loc, name):
+        return _link_entry(loc, name)
     c = loc.child(name)
     e = Entry(name=name, url=c.url)
     try:
@@ -197,6 +263,8 @@ def remove_cache(loc):
     find no cache) -> look for readers again, and if one announced itself meanwhile, put the manifest
     back and keep the cache -> delete everything else.
     """
+    if not loc.remote and os.path.islink(loc.url):
+        return "it is a symbolic link (not followed, nothing removed)"
     if live_readers(loc):
         return "being read"
     try:
@@ -237,6 +305,10 @@ def gc(where, *, incomplete_older_than=None, unused_since=None, dry_run=False, n
     plan = []
     for e in list_caches(loc):
         why = None
+        if e.link is not None:
+            plan.append((e, "kept", f"a symbolic link to {e.link}: not followed, nothing touched; "
+                                    "remove the link by hand if it is not wanted"))
+            continue
         if e.state == "unreadable":
             plan.append((e, "kept", "manifest unreadable: inspect it by hand"))
             continue
@@ -261,12 +333,9 @@ def gc(where, *, incomplete_older_than=None, unused_since=None, dry_run=False, n
 
 
 def _drop_claim(loc, name):
-    claim = f"{CLAIMS_DIR}/{name.rsplit(SEP, 1)[1]}.json"
-    try:
-        if loc.read_json(claim).get("name") == name:
-            loc.remove(claim)
-    except (FileNotFoundError, ValueError):
-        pass
+    fp16 = name.rsplit(SEP, 1)[1]
+    if _read_claim(loc, fp16) == name:     # a claim now naming another cache is not ours to drop
+        loc.remove(_claim(fp16))
 
 
 def _age(seconds):

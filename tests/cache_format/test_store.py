@@ -1,5 +1,6 @@
 """The store: caches found by fingerprint, `kdcache ls`, and `kdcache gc` that never removes a cache in use."""
 import json
+import os
 import time
 
 import pytest
@@ -163,7 +164,6 @@ def test_same_inputs_started_twice_under_two_aliases_share_one_cache(root):
 
 
 def test_looking_writes_nothing_and_bookkeeping_is_not_activity(tmp_path):
-    import os
     root = str(tmp_path / "store")
     where, _ = add_cache(root, "half", "d2", shards_done=1)
     lock = os.path.join(where, ".writer.lock")
@@ -206,3 +206,97 @@ def test_a_writer_that_loses_its_lease_stops(where, request):
         lease.check()
     lease.release()
     assert loc.read_json(".writer.lock")["owner"] == "someone else"      # not deleted: it is not ours
+
+
+def _claim_path(fp):
+    return f".claims/{fp[:16]}.json"
+
+
+@pytest.mark.parametrize("bad", ["../../outside", "../x--{id}", "/tmp/x--{id}", "a/x--{id}", "x--{id}\n",
+                                 "x--0123456789abcdef", 42])
+def test_a_claim_that_is_not_a_plain_name_for_this_fingerprint_is_ignored(root, bad):
+    """A claim is data from the store, never a path: one naming anything else is replaced by a proper name."""
+    fp, _ = cache_fingerprint({"teacher": "t", "data": "d7"}, backend="arrow", top_k=8)
+    store = Location(root)
+    store.write_json(_claim_path(fp), {"name": bad.format(id=fp[:16]) if isinstance(bad, str) else bad,
+                                       "fingerprint": fp})
+    where, found = resolve(root, fp, "job")
+    assert where == store.path("job--" + fp[:16]) and not found
+    assert store.read_json(_claim_path(fp))["name"] == "job--" + fp[:16]
+    assert resolve(root, fp, "other job") == (where, True)
+
+
+@pytest.mark.parametrize("damage", [b"", b'{"name": "half-writ', b"[1, 2]", b"\xff\xfe"])
+def test_an_empty_or_torn_claim_is_replaced(root, damage):
+    """A crash between creating a claim and writing it left it empty or partial: resolve still finds a home."""
+    fp, _ = cache_fingerprint({"teacher": "t", "data": "d8"}, backend="arrow", top_k=8)
+    Location(root).write_bytes(_claim_path(fp), damage)
+    where, found = resolve(root, fp, "job")
+    assert where == Location(root).path("job--" + fp[:16]) and not found
+    assert resolve(root, fp, "other job") == (where, True)
+    done, _ = add_cache(root, "job", "d8")               # and the cache made there is the one found again
+    assert done == where and names(root) == ["job--" + fp[:16]]
+
+
+def test_resolvers_racing_over_a_damaged_claim_agree(root):
+    import threading
+    fp, _ = cache_fingerprint({"teacher": "t", "data": "d6"}, backend="arrow", top_k=8)
+    Location(root).write_bytes(_claim_path(fp), b"")
+    start, out = threading.Barrier(6), []
+
+    def job(i):
+        start.wait()
+        out.append(resolve(root, fp, f"job {i}")[0])
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(out) == 6 and len(set(out)) == 1
+
+
+def _tree(d):
+    out = {}
+    for base, _, files in os.walk(d):
+        for f in files:
+            with open(os.path.join(base, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(base, f), d)] = fh.read()
+    return out
+
+
+def test_gc_never_follows_a_store_entry_that_is_a_link(tmp_path, capsys):
+    root = str(tmp_path / "store")
+    add_cache(root, "done", "d1")
+    outside = tmp_path / "outside"                     # an old incomplete cache, elsewhere
+    kw = writer_kwargs("arrow", fingerprint_parts={"teacher": "t", "data": "d5"})
+    with CacheWriter(outside, num_shards_planned=3, **kw) as w:
+        w.write_shard(0, make_records(4), sample_start=0, sample_end=4)
+    (outside / "notes.txt").write_text("mine")
+    before = _tree(outside)
+    old = time.time() - 30 * DAY
+    for d, _, files in os.walk(outside):
+        for f in files:
+            os.utime(os.path.join(d, f), (old, old))
+    link = os.path.join(root, "x--0123456789abcdef")
+    os.symlink(outside, link)
+    plan = gc(root, incomplete_older_than=0)
+    assert [(e.name, e.state, a) for e, a, _ in plan] == [("x--0123456789abcdef", "link", "kept")]
+    assert "symbolic link" in plan[0][2] and "not followed" in plan[0][2]
+    assert os.path.islink(link) and _tree(outside) == before          # neither the link nor its target touched
+    assert [n.split("--")[0] for n in names(root)] == ["done", "x"]   # the real cache is untouched too
+    assert remove_cache(Location(link)) == "it is a symbolic link (not followed, nothing removed)"
+    assert _tree(outside) == before
+    assert gc_main([root, "--incomplete-older-than", "0s"]) == 0
+    assert "symbolic link" in capsys.readouterr().out and _tree(outside) == before
+
+
+def test_a_writer_refuses_a_store_entry_that_is_a_link(tmp_path):
+    root = tmp_path / "store"
+    fp, _ = cache_fingerprint({"teacher": "t", "data": "d4"}, backend="arrow", top_k=8)
+    (tmp_path / "outside").mkdir()
+    resolve(str(root), fp, "job")                       # claims job--<fp16>; then someone links it elsewhere
+    os.symlink(tmp_path / "outside", root / ("job--" + fp[:16]))
+    with pytest.raises(CacheError, match="is a symbolic link"):
+        resolve(str(root), fp, "job")
+    assert os.listdir(tmp_path / "outside") == []
