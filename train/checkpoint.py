@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from cache_format.atomic import atomic_write_bytes, fsync_path, fsync_tree
+from cache_format.errors import TrainDataError
 
 CKPT_DIR = "checkpoints"
 TAG = "state"
@@ -69,8 +70,22 @@ def set_rng_state(st):
     torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
 
 
-def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, keep):
-    """Save on every rank (collective), then commit on rank 0."""
+def check_plan(path, plan):
+    """Refuse to resume from `path` if its reader positions mean other samples here: another cache, another
+    shard list, another world size, seed or shuffle (the saved positions would skip or repeat samples)."""
+    meta = json.load(open(os.path.join(path, "complete.json")))
+    saved = dict(meta.get("data", {}), world_size=meta["world_size"])   # checkpoints before 'data': ranks only
+    differ = [f"{k}: {saved[k]!r} in the checkpoint, {plan[k]!r} now" for k in sorted(saved) if saved[k] != plan[k]]
+    if not differ:
+        return
+    hint = (f"relaunch with {saved['world_size']} rank(s) (--nproc-per-node {saved['world_size']})"
+            if [d for d in differ if d.startswith("world_size")] and len(differ) == 1 else
+            "resume against the same cache and settings, or start over with a new --out (or --resume never)")
+    raise TrainDataError(f"{path} cannot be resumed by this run: " + "; ".join(differ) + f". To go on, {hint}.")
+
+
+def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, keep, plan):
+    """Save on every rank (collective), then commit on rank 0. plan: what the reader positions mean."""
     tmp = os.path.join(out, CKPT_DIR, f".tmp-step-{step:08d}")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)      # left by a crash during an earlier save
@@ -84,7 +99,7 @@ def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, k
     if rank == 0:
         fsync_tree(tmp)
         atomic_write_bytes(os.path.join(tmp, "complete.json"),
-                           json.dumps({"step": step, "world_size": world}).encode())
+                           json.dumps({"step": step, "world_size": world, "data": plan}).encode())
         final = step_dir(out, step)
         if os.path.exists(final):
             shutil.rmtree(final)

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from cache_format import ShardError, TrainDataError, open_cache
+from cache_format import ShardError, TrainDataError, hash_json, open_cache
 from cache_format.reader import READ_AHEAD
 from kdcache.batching import budget_groups
 
@@ -44,6 +44,15 @@ class CacheStream:
         if not self.shuffle:
             return np.arange(n)
         return np.random.default_rng([self.seed, epoch, self.cache.shards[j]["index"]]).permutation(n)
+
+    def plan(self):
+        """What a saved position means: the cache (fingerprint and committed shards) and the order's settings.
+        A resume under another plan would skip or repeat samples, so checkpoints record it."""
+        m = self.cache.manifest
+        return {"cache_fingerprint": m["fingerprint"],
+                "shards_sha256": hash_json([[s["index"], s["sha256"]] for s in m["shards"]]),
+                "num_shards": len(m["shards"]), "world_size": self.world, "seed": self.seed,
+                "shuffle": self.shuffle}
 
     def samples_per_epoch(self):
         return sum(self.cache.shards[j]["num_samples"] for j in self.shards_for(0))

@@ -115,6 +115,7 @@ def setup(cfg):
               student_vocab=student_vocab, total_steps=total_steps)
     ckpt = checkpoint.resolve_resume(cfg.out, cfg.resume)     # engine, optimizer, scheduler, RNG, reader position
     if ckpt:
+        checkpoint.check_plan(ckpt, stream.plan())
         client, reader_state = checkpoint.load(engine, ckpt, rank)
         run.step = int(client["step"])
         stream.load_state_dict(reader_state)
@@ -260,7 +261,7 @@ def save(run):
     import torch.distributed as dist
     checkpoint.save(run.engine, run.cfg.out, run.step, rank=run.rank, world=run.world,
                     client_state={"step": run.step}, rank_state=run.stream.state_dict(), barrier=dist.barrier,
-                    keep=run.cfg.keep_checkpoints)
+                    keep=run.cfg.keep_checkpoints, plan=run.stream.plan())
 
 
 def save_final(model, tok, path, rank, stage):

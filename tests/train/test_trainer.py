@@ -245,3 +245,24 @@ def test_two_ranks_finish_their_checkpoint_on_sigterm_and_the_hint_relaunches_th
                         "--nproc-per-node", 2))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert [r["step"] for r in losses(out)] == list(range(1, steps + 1))
+
+
+def test_resume_against_another_cache_is_refused(setup, tmp_path):
+    """The reported loss: the cache grew under a run's --out; the resumed epoch read samples twice or never."""
+    import shutil
+    cache = tmp_path / "cache"
+    shutil.copytree(setup["cache"], cache)
+    m = json.load(open(cache / "manifest.json"))
+    m["shards"], m["num_shards_planned"], m["complete"] = m["shards"][:4], 4, True   # the cache at first
+    m["plan"] = dict(m["plan"], records=32)
+    m["counts"] = {k: sum(s["num_" + k] if k != "bytes" else s["bytes"] for s in m["shards"])
+                   for k in ("samples", "tokens", "positions", "bytes")}
+    (cache / "manifest.json").write_text(json.dumps(m))
+    out = tmp_path / "o"
+    first = run(train_cmd(dict(setup, cache=cache), out, "--max-steps", 6, "--batch-size", 2, "--save-every", 2,
+                          "--stop-after", 2))
+    assert first.returncode == 0 and "stopped by stop_after" in first.stdout, first.stderr[-3000:]
+    shutil.copy(setup["cache"] / "manifest.json", cache / "manifest.json")          # it grew: 6 shards now
+    res = run(train_cmd(dict(setup, cache=cache), out, "--max-steps", 6, "--batch-size", 2, "--save-every", 2))
+    assert res.returncode == 2, res.stdout[-2000:]
+    assert "num_shards: 4 in the checkpoint, 6 now" in res.stderr and "--out" in res.stderr
