@@ -11,6 +11,7 @@ record, shard or key, what was expected, what was found, and what to do.
     │   └── SkipSample       one record is valid but unusable under the job's policy (reason: a short key)
     ├── TokenizerMismatch    the student's tokenizer is not the one the cache's ids came from
     ├── WorkerDied           a teacher worker was killed or failed mid-job (committed shards are safe)
+    ├── Interrupted          a signal stopped the job before it could finish its work in hand (exit 128+N)
     └── CacheError           anything wrong with a logit cache
         ├── ManifestError    manifest.json is unreadable, of an unknown version, or unsafe
         │   └── ManifestMissing   no manifest.json: not a cache, or nothing committed yet
@@ -53,6 +54,14 @@ class TokenizerMismatch(KdcacheError):
 
 class WorkerDied(KdcacheError):
     """A teacher worker was killed or crashed mid-job."""
+
+
+class Interrupted(KdcacheError):
+    """A signal (e.g. SIGTERM to the whole process group) stopped the job's workers; what was committed is safe."""
+
+    def __init__(self, message, signal_name, signum):
+        super().__init__(message)
+        self.signal_name, self.exit_code = signal_name, 128 + int(signum)
 
 
 class CacheError(KdcacheError):

@@ -43,7 +43,7 @@ def main(argv=None):
         if os.environ.get("KDCACHE_TRACEBACK"):
             raise
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
 
 
 if __name__ == "__main__":

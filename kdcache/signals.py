@@ -17,6 +17,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 class StopFlag:
     def __init__(self, message="", exit_on_second=False):
         self.signal = None            # the name of the first signal received, e.g. "SIGTERM"
+        self.signum = None
         self.message, self.exit_on_second = message, exit_on_second
         self._old = {}
 
@@ -37,7 +38,8 @@ class StopFlag:
         if self.signal and self.exit_on_second:
             print(f"\n{name} again: exiting now; what was committed is safe.", file=sys.stderr)
             os._exit(130)
-        self.signal = self.signal or name
+        if not self.signal:
+            self.signal, self.signum = name, signum
         if self.message:
             print(f"\n{name}: {self.message}", file=sys.stderr)
 

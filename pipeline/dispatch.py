@@ -7,7 +7,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from cache_format.errors import WorkerDied
+from cache_format.errors import Interrupted, WorkerDied
 from kdcache.signals import StopFlag
 
 from .worker import TeacherWorker, Unit
@@ -101,7 +101,7 @@ def run_shards(cfg, writer, spool, todo, spec, gpus, n_records, bar):
             for ref in done:
                 w, j = pending.pop(ref)
                 free.append(w)
-                res = _result(ray, ref, j, writer)
+                res = _result(ray, ref, j, writer, flag)
                 writer.commit(res["info"])
                 stats.tokens += res["tokens"]
                 stats.teacher_s += res["teacher_s"]
@@ -109,19 +109,26 @@ def run_shards(cfg, writer, spool, todo, spec, gpus, n_records, bar):
                 bar.set_postfix(tok_s=f"{stats.tokens / (time.perf_counter() - t0):,.0f}",
                                 shards=f"{len(writer.manifest['shards'])}/{writer.manifest['num_shards_planned']}")
     finally:
-        flag.restore()
         for w in workers:
             ray.kill(w)
+        if not (cfg.ray_address or os.environ.get("RAY_ADDRESS")):
+            ray.shutdown()     # while our handlers stand: Ray's own SIGTERM handler would exit mid-shutdown
+        flag.restore()
     stats.loop_s, stats.stopped = time.perf_counter() - t0, bool(flag)
     return stats
 
 
-def _result(ray, ref, j, writer):
-    """A worker's result for shard j, or WorkerDied naming the shard and saying the committed ones are safe."""
+def _result(ray, ref, j, writer, flag):
+    """A worker's result for shard j, or WorkerDied (Interrupted after a signal) naming the shard and saying the
+    committed ones are safe."""
     safe = f"The {len(writer.done_indices())} shards committed so far are safe"
     try:
         return ray.get(ref)
     except ray.exceptions.RayActorError as e:
+        if flag:               # the signal reached the whole process group: Ray's processes stopped with us
+            raise Interrupted(f"interrupted by {flag.signal}: the teacher workers stopped with this job while on "
+                              f"shard {j}. {safe}; rerun the same command to resume.", flag.signal,
+                              flag.signum) from e
         raise WorkerDied(f"a teacher worker died ({type(e).__name__}) while on shard {j}. {safe}; rerun the "
                          "same command to resume.") from e
     except ray.exceptions.RayTaskError as e:   # e.g. the disk filled up while writing the shard

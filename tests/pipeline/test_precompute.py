@@ -233,3 +233,36 @@ def test_resume_with_another_shard_size_is_refused_and_loses_nothing(mixed, tmp_
     a, b = open_cache(mixed["out"]), open_cache(tmp_path / "c")
     assert b.complete and [r.sample_id for r in a] == [r.sample_id for r in b]
     assert verify_cache(tmp_path / "c").ok
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_the_whole_process_group_stops_cleanly_and_the_rerun_resumes(tiny, tmp_path, sig):
+    """A batch scheduler or a closed terminal signals the driver and Ray's processes at once."""
+    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"] * 3)                  # 360 records, 60 shards
+    common = ["--teacher", tiny["teacher"], "--data", data, "--backend", "hf", "--top-k", 16, "--shard-size", 6]
+    out = tmp_path / "c"
+    env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "kdcache", "precompute", "--no-progress", "--worker-cpus", "0.5",
+                             *map(str, common), "--out", str(out)], cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if len(json.loads((out / "manifest.json").read_text())["shards"]) >= 2:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    assert proc.poll() is None, "the job finished before the signal: make it longer"
+    os.killpg(proc.pid, sig)
+    output, _ = proc.communicate(timeout=180)
+    committed = len(open_cache(out).shards)
+    assert committed < 60, "the signal landed after the last commit: it interrupted nothing"
+    # Either the workers outlived the signal and the shards in flight were committed (exit 0), or they
+    # stopped with the group (exit 128 + N): both say how to resume, neither shows a traceback.
+    assert proc.returncode in (0, 128 + sig), output[-3000:]
+    assert "rerun the same command to resume" in output and "Traceback" not in output, output[-3000:]
+    assert verify_cache(out).ok
+    res = precompute(*common, "--out", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming" in res.stdout and [r.sample_id for r in open_cache(out)] == list(range(360))
