@@ -1,9 +1,13 @@
 """Streaming the cache into the trainer: deterministic order, rank split, prefetch, resumable position.
 
-Order for (seed, epoch): the listed shards are permuted, shard i of that order
-goes to rank i % world, and each shard's rows are permuted. A rank holds at
-most `prefetch` decoded shards in memory, never the whole cache. The stream's
-position (epoch, shard cursor, row cursor) after each batch is part of every
+Order for (seed, epoch): the listed shards are permuted and each shard's rows
+are permuted; concatenated, that is the epoch's global order of all N samples.
+Rank r reads the contiguous span [r*N // world, (r+1)*N // world) of it (as
+mosaicml/streaming splits at sample granularity): every sample once per epoch,
+any complete cache on any world size, ranks within one sample of each other, and
+each rank touches only the shards its span crosses. A rank holds at most
+`prefetch` decoded shards in memory, never the whole cache. The stream's
+position (epoch, segment cursor, row cursor) after each batch is part of every
 checkpoint, so a resumed run continues with exactly the next samples.
 """
 import queue
@@ -20,10 +24,10 @@ class CacheStream:
     def __init__(self, cache_dir, *, rank=0, world=1, seed=0, shuffle=True, batch_size=8, max_tokens=0,
                  prefetch=2, epochs=None, skip_damaged=False, track_use=False, readahead=READ_AHEAD):
         self.cache = open_cache(cache_dir, track_use=track_use)
-        if self.cache.num_shards < world:
+        if len(self.cache) < world:
             self.cache.close()
-            raise TrainDataError(f"{cache_dir}: {self.cache.num_shards} shard(s) cannot feed {world} ranks; "
-                                 "each rank reads whole shards. Precompute with a smaller --shard-size.")
+            raise TrainDataError(f"{cache_dir}: {len(self.cache)} sample(s) cannot feed {world} ranks (each rank "
+                                 "needs at least one per epoch)")
         self.rank, self.world, self.seed, self.shuffle = rank, world, seed, shuffle
         self.batch_size, self.max_tokens, self.prefetch, self.epochs = batch_size, max_tokens, prefetch, epochs
         self.state = {"epoch": 0, "shard_cursor": 0, "row_cursor": 0}
@@ -33,11 +37,24 @@ class CacheStream:
         self._verified = set()
 
     # -- the order -------------------------------------------------------------------
-    def shards_for(self, epoch):
-        """Positions (in the manifest's shard list) this rank reads in `epoch`, in order."""
+    def segments(self, epoch):
+        """[(shard position j, rows of shard j)] this rank reads in `epoch`, in order: its span of the global order."""
         n = self.cache.num_shards
         order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
-        return [int(j) for j in order[self.rank::self.world]]
+        lo, hi = self.span()
+        out, start = [], 0
+        for j in order:
+            size = self.cache.shards[j]["num_samples"]
+            a, b = max(lo, start), min(hi, start + size)
+            if a < b:
+                out.append((int(j), self.rows_for(epoch, j)[a - start:b - start]))
+            start += size
+        return out
+
+    def span(self):
+        """[lo, hi): this rank's share of each epoch's global order."""
+        total = len(self.cache)
+        return self.rank * total // self.world, (self.rank + 1) * total // self.world
 
     def rows_for(self, epoch, j):
         n = self.cache.shards[j]["num_samples"]
@@ -52,10 +69,11 @@ class CacheStream:
         return {"cache_fingerprint": m["fingerprint"],
                 "shards_sha256": hash_json([[s["index"], s["sha256"]] for s in m["shards"]]),
                 "num_shards": len(m["shards"]), "world_size": self.world, "seed": self.seed,
-                "shuffle": self.shuffle}
+                "shuffle": self.shuffle, "split": "sample-spans"}
 
     def samples_per_epoch(self):
-        return sum(self.cache.shards[j]["num_samples"] for j in self.shards_for(0))
+        lo, hi = self.span()
+        return hi - lo
 
     # -- resumable position ----------------------------------------------------------
     def state_dict(self):
@@ -69,25 +87,25 @@ class CacheStream:
         """Background thread: decode shards in stream order into `out` (bounded queue)."""
         epoch, cursor = start
         try:
+            plan = self.segments(epoch)
             while self.epochs is None or epoch < self.epochs:
-                plan = self.shards_for(epoch)
+                following = self.segments(epoch + 1)
                 for c in range(cursor, len(plan)):
-                    ahead = plan[c:c + 1 + self.readahead]
-                    if c + 1 + self.readahead > len(plan):   # the next epoch's first shards
-                        ahead += self.shards_for(epoch + 1)[:c + 1 + self.readahead - len(plan)]
+                    ahead = [j for j, _ in (plan + following)[c:c + 1 + self.readahead]]   # into the next epoch
                     self.cache.prefetch(ahead)
-                    if not self._sound(plan[c]):
-                        out.put(("damaged", epoch, c, len(plan), []))
+                    j, rows = plan[c]
+                    if not self._sound(j, len(rows)):
+                        out.put(("damaged", epoch, c, len(plan), [], rows))
                         continue
-                    recs = list(self.cache.iter_shard(plan[c]))
-                    out.put(("shard", epoch, c, len(plan), recs))
-                epoch, cursor = epoch + 1, 0
+                    out.put(("shard", epoch, c, len(plan), list(self.cache.iter_shard(j)), rows))
+                epoch, cursor, plan = epoch + 1, 0, following
             out.put(("end",))
         except BaseException as e:  # surface reader errors in the trainer thread
             out.put(("error", e))
 
-    def _sound(self, j):
-        """Checksum a shard before its first use: a damaged shard fails the run, or is skipped and counted."""
+    def _sound(self, j, n_rows):
+        """Checksum a shard before its first use: a damaged shard fails the run, or is skipped and its
+        n_rows samples of this rank's span are counted."""
         if j in self._verified:
             return True
         info = self.cache.shards[j]
@@ -99,7 +117,7 @@ class CacheStream:
             if not self.skip_damaged:
                 raise ShardError(f"{e} ({info['num_samples']} samples). Run `kdcache verify {self.cache.directory}`; "
                                  "pass --skip-damaged-shards to train on the rest.") from e
-        self.damaged[info["path"]] = info["num_samples"]
+        self.damaged[info["path"]] = n_rows          # this epoch's share of it
         return False
 
     def close(self):
@@ -118,11 +136,10 @@ class CacheStream:
                 return
             if item[0] == "error":
                 raise item[1]
-            kind, epoch, c, n_plan, recs = item
+            kind, epoch, c, n_plan, recs, rows = item
             if kind == "damaged":
                 first = False
                 continue
-            rows = self.rows_for(epoch, self.shards_for(epoch)[c])
             start = st["row_cursor"] if first else 0
             first = False
             for r in range(start, len(rows)):

@@ -39,10 +39,25 @@ def test_shuffled_within_shards_not_only_across(cache_dir):
     assert len({s // 8 for s in first_shard}) == 1 and first_shard != sorted(first_shard)
 
 
-def test_ranks_read_disjoint_parts_that_cover_the_cache(cache_dir):
-    parts = [order(CacheStream(cache_dir, rank=r, world=3, seed=4, epochs=1)) for r in range(3)]
-    flat = [s for p in parts for s in p]
-    assert sorted(flat) == list(range(53))
+@pytest.mark.parametrize("world", [2, 3, 8, 53])
+def test_ranks_read_disjoint_equal_parts_that_cover_the_cache(cache_dir, world):
+    """Any world size, even more ranks than shards (7 here): every sample once, ranks within one of each other."""
+    parts = [order(CacheStream(cache_dir, rank=r, world=world, seed=4, epochs=1)) for r in range(world)]
+    assert sorted(s for p in parts for s in p) == list(range(53))
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert [p for q in parts for p in q] == order(CacheStream(cache_dir, seed=4, epochs=1))   # spans of one order
+    streams = [CacheStream(cache_dir, rank=r, world=world) for r in range(world)]
+    assert [s.samples_per_epoch() for s in streams] == list(map(len, parts))
+
+
+def test_a_rank_resumes_exactly_in_the_middle_of_its_span(cache_dir):
+    ref = CacheStream(cache_dir, rank=1, world=3, seed=6, epochs=2, batch_size=4)
+    batches = list(ref.batches())
+    flat = [r.sample_id for b, _ in batches for r in b]
+    for cut in (1, 3, len(batches) - 1):
+        s = CacheStream(cache_dir, rank=1, world=3, seed=6, epochs=2, batch_size=4)
+        s.load_state_dict(batches[cut - 1][1])
+        assert [r.sample_id for b, _ in s.batches() for r in b] == flat[sum(len(b) for b, _ in batches[:cut]):]
 
 
 def test_resume_from_any_state_continues_with_exactly_the_next_samples(cache_dir):
@@ -57,9 +72,9 @@ def test_resume_from_any_state_continues_with_exactly_the_next_samples(cache_dir
         assert rest == flat[done:]
 
 
-def test_too_few_shards_for_ranks_is_refused(cache_dir):
-    with pytest.raises(TrainDataError, match="7 shard"):
-        CacheStream(cache_dir, world=8)
+def test_more_ranks_than_samples_is_refused(cache_dir):
+    with pytest.raises(TrainDataError, match="53 sample.*54 ranks"):
+        CacheStream(cache_dir, world=54)
 
 
 def test_token_budget_limits_padded_batch(cache_dir):

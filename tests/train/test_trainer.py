@@ -247,17 +247,23 @@ def test_two_ranks_finish_their_checkpoint_on_sigterm_and_the_hint_relaunches_th
     assert [r["step"] for r in losses(out)] == list(range(1, steps + 1))
 
 
+def first_shards(setup, where, n):
+    """A copy of the setup cache cut to its first n shards (8 records each), as a complete cache."""
+    import shutil
+    shutil.copytree(setup["cache"], where)
+    m = json.load(open(where / "manifest.json"))
+    m["shards"], m["num_shards_planned"], m["complete"] = m["shards"][:n], n, True
+    m["plan"] = dict(m["plan"], records=8 * n)
+    m["counts"] = {k: sum(s["num_" + k] if k != "bytes" else s["bytes"] for s in m["shards"])
+                   for k in ("samples", "tokens", "positions", "bytes")}
+    (where / "manifest.json").write_text(json.dumps(m))
+    return where
+
+
 def test_resume_against_another_cache_is_refused(setup, tmp_path):
     """The reported loss: the cache grew under a run's --out; the resumed epoch read samples twice or never."""
     import shutil
-    cache = tmp_path / "cache"
-    shutil.copytree(setup["cache"], cache)
-    m = json.load(open(cache / "manifest.json"))
-    m["shards"], m["num_shards_planned"], m["complete"] = m["shards"][:4], 4, True   # the cache at first
-    m["plan"] = dict(m["plan"], records=32)
-    m["counts"] = {k: sum(s["num_" + k] if k != "bytes" else s["bytes"] for s in m["shards"])
-                   for k in ("samples", "tokens", "positions", "bytes")}
-    (cache / "manifest.json").write_text(json.dumps(m))
+    cache = first_shards(setup, tmp_path / "cache", 4)                       # the cache at first
     out = tmp_path / "o"
     first = run(train_cmd(dict(setup, cache=cache), out, "--max-steps", 6, "--batch-size", 2, "--save-every", 2,
                           "--stop-after", 2))
@@ -266,3 +272,14 @@ def test_resume_against_another_cache_is_refused(setup, tmp_path):
     res = run(train_cmd(dict(setup, cache=cache), out, "--max-steps", 6, "--batch-size", 2, "--save-every", 2))
     assert res.returncode == 2, res.stdout[-2000:]
     assert "num_shards: 4 in the checkpoint, 6 now" in res.stderr and "--out" in res.stderr
+
+
+def test_a_one_shard_cache_trains_on_two_ranks(setup, tmp_path):
+    """Ranks split each epoch at sample granularity, so a cache with fewer shards than ranks still trains."""
+    cache = first_shards(setup, tmp_path / "cache", 1)
+    out = tmp_path / "o"
+    res = run(train_cmd(dict(setup, cache=cache), out, "--epochs", 1, "--batch-size", 2, "--save-every", 0,
+                        "--threads", 1, "--nproc-per-node", 2))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = losses(out)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["positions"] > 0 for r in rows)   # 8 samples: 4 + 4
