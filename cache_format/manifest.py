@@ -136,6 +136,8 @@ def validate_manifest(m, where):
         ("plan", m.get("plan") is None or (isinstance(m["plan"], dict) and _count(m["plan"].get("shard_size"), 1)
                                            and _count(m["plan"].get("records"))),
          "absent or an object of shard_size >= 1 and records >= 0"),
+        ("writer_generation", m.get("writer_generation") is None or _count(m["writer_generation"]),
+         "absent or a non-negative integer"),
     ]:
         if not ok:
             bad(f"{key} must be {need}, found {m.get(key)!r}")

@@ -97,7 +97,8 @@ class CacheWriter:
     tokenizer, dataset or setting is refused with the differing parts named.
     Locally the lock is a flock; on an object store it is a lease object created with a
     conditional put, and every manifest write is conditional on the version this writer
-    wrote last, so a second writer can never silently replace it.
+    wrote last, so a second writer can never silently replace it; the lease's generation, recorded
+    in the manifest as writer_generation, fences off a writer whose lease lapsed and was taken over.
     """
 
     def __init__(self, directory, *, backend, top_k, vocab_size, eos_token_ids, fingerprint_parts,
@@ -128,13 +129,12 @@ class CacheWriter:
     def open(self):
         if not self.location.remote:
             os.makedirs(self.directory, exist_ok=True)
-        self._lock.acquire()
+            self._lock.acquire()
+        else:   # the new generation must exceed the manifest's too: a released lease object is gone
+            self._lock.acquire(after=self._generation_on_store())
         try:
             if self.location.exists(MANIFEST_NAME):
-                self.manifest = load_manifest(self.location)
-                self._check_same(self.manifest)
-                self._etag = self.location.etag(MANIFEST_NAME)
-                self.resumed = True
+                self._resume()
             else:
                 self.manifest = new_manifest(**self._init)
                 self._save(exclusive=self.location.remote)
@@ -143,6 +143,23 @@ class CacheWriter:
             self._lock.release()
             raise
         return self
+
+    def _resume(self):
+        """Load the committed manifest. On object stores, rewrite it at once with this writer's generation,
+        before sweeping anything: a displaced writer's If-Match tag is then stale and its late commit fails."""
+        for tries_left in (2, 1, 0):
+            self._etag = self.location.etag(MANIFEST_NAME)   # the tag first: a write in between fails our put
+            self.manifest = load_manifest(self.location)
+            self._check_same(self.manifest)
+            self.resumed = True
+            if not isinstance(self._lock, Lease):
+                return
+            try:
+                self._save()
+                return
+            except LockedError as e:      # a displaced writer committed after we read: read again
+                if not tries_left or not isinstance(e.__cause__, ConflictError):
+                    raise
 
     def _sweep_leftovers(self):
         """Remove what killed writers left (we hold the lock: none is running): temp files of shards
@@ -206,13 +223,33 @@ class CacheWriter:
 
     def _save(self, exclusive=False):
         if isinstance(self._lock, Lease):
-            self._lock.check()
+            self._fence()
+            self.manifest["writer_generation"] = self._lock.generation
         try:
             self._etag = save_manifest(self.location, self.manifest, exclusive=exclusive,
                                        if_match=None if exclusive else self._etag)
         except ConflictError as e:
             raise LockedError(f"{self.location.path(MANIFEST_NAME)} was written by another process while this "
-                              f"job held the cache ({e}); stopping without committing more") from e
+                              f"job held the cache ({e}); stopping without committing anything more") from e
+
+    def _fence(self):
+        """Object stores: write the manifest only while the lease object still names this writer and its
+        generation, and no later owner's manifest (a higher writer_generation) is on the store."""
+        self._lock.confirm()
+        on_store = self._generation_on_store()
+        if on_store > self._lock.generation:
+            raise LockedError(
+                f"{self.location.path(MANIFEST_NAME)} was written by a later owner of the cache (writer generation "
+                f"{on_store}, this job's is {self._lock.generation}): this job's lease lapsed and was taken over; "
+                "stopping without committing anything more")
+
+    def _generation_on_store(self):
+        """writer_generation of the manifest on the store now; 0 if none (older writers) or unreadable."""
+        try:
+            g = self.location.read_json(MANIFEST_NAME).get("writer_generation", 0)
+        except (FileNotFoundError, ValueError, AttributeError):
+            return 0
+        return g if isinstance(g, int) and not isinstance(g, bool) and g > 0 else 0
 
     def close(self):
         self._lock.release()

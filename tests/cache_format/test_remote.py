@@ -21,7 +21,7 @@ from cache_format import (
 )
 from cache_format.cli import inspect_main, verify_main
 from cache_format.fetch import ShardFetcher
-from cache_format.lease import live_readers, pid_namespace, process_tag
+from cache_format.lease import boot_id, live_readers, pid_namespace, process_tag
 from cache_format.location import Location
 from tests.helpers.cli import ROOT
 from tests.helpers.records import make_records, writer_kwargs
@@ -84,7 +84,8 @@ def dead_pid():
 def test_stale_writer_lease(bucket, host, pid, expires_in, taken):
     url = f"{bucket}/c"
     lock = {"owner": "old", "host": socket.gethostname() if host == "self" else "other-host", "pidns": pid_namespace(),
-            "pid": dead_pid() if pid == "dead" else pid, "started": 0, "expires": time.time() + expires_in}
+            "boot_id": boot_id(), "pid": dead_pid() if pid == "dead" else pid, "pid_start": 0, "started": 0,
+            "expires": time.time() + expires_in}
     Location(url).write_json(".writer.lock", lock)
     w = CacheWriter(url, num_shards_planned=1, **writer_kwargs("arrow"))
     if taken:
