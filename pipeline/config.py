@@ -27,7 +27,8 @@ class PrecomputeConfig:
     logprob_dtype: str = field("float16", "stored precision of log-probs", choices=("float16", "float32"))
     template: str = field("auto", "render records with the tokenizer's chat template, or raw concatenation",
                           choices=("auto", "chat", "raw"))
-    max_length: int = field(2048, "maximum tokens per sample (prompt + completion)")
+    max_length: int | None = field(None, "maximum tokens per sample, prompt + completion (default: the teacher's "
+                                         "context, at most 2048)")
     overlong: str = field("truncate", "over-long samples: truncate (flagged in the cache) or drop (counted)",
                           choices=("truncate", "drop"))
     on_bad_record: str = field("fail", "malformed records: fail the job, or skip them (counted and listed)",
@@ -55,7 +56,7 @@ class PrecomputeConfig:
     def __post_init__(self):
         validate(self, required=("teacher", "data", "out"), checks=[
             ("top_k", 1 <= self.top_k <= 4096, "must be in [1, 4096]"),
-            ("max_length", self.max_length >= 2, "must be >= 2"),
+            ("max_length", self.max_length is None or self.max_length >= 2, "must be >= 2"),
             ("shard_size", self.shard_size >= 1, "must be >= 1"),
             ("workers", self.workers >= 1, "must be >= 1"),
             ("worker_cpus", self.worker_cpus > 0, "must be > 0"),

@@ -15,6 +15,7 @@ import numpy as np
 from cache_format.errors import ConfigError, SkipSample
 from cache_format.record import span_positions
 
+from .chat import chat_spans, render
 from .data import Example
 
 
@@ -73,15 +74,10 @@ class Encoder:
     def encode(self, ex: Example, sample_id: int = 0) -> Sample:
         if self.mode == "generate":
             return self.encode_prompt(ex, sample_id)
-        if ex.kind == "chat":
-            ids, spans = self._chat(ex.messages)
-        elif ex.kind == "pair" and self.template == "chat":
-            ids, spans = self._chat([{"role": "user", "content": ex.prompt},
-                                     {"role": "assistant", "content": ex.completion}])
-        elif ex.kind == "pair":
-            p = self.tok(ex.prompt, add_special_tokens=True)["input_ids"]
-            c = self.tok(ex.completion, add_special_tokens=False)["input_ids"] + [self.eos]
-            ids, spans = p + c, [(len(p), len(p) + len(c))]
+        if ex.kind in ("chat", "pair"):
+            msgs = ex.messages or [{"role": "user", "content": ex.prompt},
+                                   {"role": "assistant", "content": ex.completion}]
+            ids, spans = chat_spans(self.tok, msgs, self.eos_ids) if self.template == "chat" else self._raw_chat(msgs)
         else:  # text: every token is a target; EOS appended so the end of a document is learned
             ids = self.tok(ex.text, add_special_tokens=True)["input_ids"] + [self.eos]
             spans = [(1, len(ids))]
@@ -102,45 +98,28 @@ class Encoder:
                        if truncated else "no completion tokens")
         return Sample(sample_id, np.asarray(ids, dtype=np.int32), positions.astype(np.int32), truncated)
 
-    def _render(self, messages, gen_prompt=False):
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
-
-    def _chat(self, messages):
-        """Token ids of the whole chat and the [start, end) target span of every assistant turn."""
-        full = self._render(messages)
-        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = enc["input_ids"], enc["offset_mapping"]
-        starts = np.array([o[0] for o in offsets])
-        spans = []
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            head = self._render(messages[:i], gen_prompt=True)
-            upto = self._render(messages[:i + 1])
-            if not full.startswith(head) or not full.startswith(upto):
-                raise SkipSample("template", f"the chat template does not render turn {i} as a prefix of the chat; "
-                           "token-exact spans need a prefix-stable template")
-            a = int(np.searchsorted(starts, len(head)))
-            b = int(np.searchsorted(starts, len(upto)))
-            if a >= len(ids) or starts[a] != len(head):
-                raise SkipSample("template", f"assistant turn {i} starts inside a token; cannot align its span")
-            eot = next((j for j in range(a, b) if ids[j] in self.eos_ids), None)
-            spans.append((a, eot + 1 if eot is not None else b))
+    def _raw_chat(self, messages):
+        """--template raw: the messages' tokens in order (BOS first where the tokenizer adds one), each assistant
+        message trained through an EOS appended after it."""
+        ids, spans = list(self.tok("", add_special_tokens=True)["input_ids"]), []
+        for m in messages:
+            t = self.tok(m["content"], add_special_tokens=False)["input_ids"]
+            if m["role"] == "assistant":
+                spans.append((len(ids), len(ids) + len(t) + 1))
+                t = t + [self.eos]
+            ids += t
         return ids, spans
 
     # -- generate mode: the prompt only ----------------------------------------------------
     def encode_prompt(self, ex: Example, sample_id: int = 0) -> Sample:
         if ex.kind == "text":
             raise SkipSample("text_in_generate", "plain text records have no prompt to generate from")
-        if ex.kind == "chat":
-            msgs = ex.messages
-            last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-            ids = self.tok(self._render(msgs[:last], gen_prompt=True), add_special_tokens=False)["input_ids"]
-        elif self.template == "chat":
-            ids = self.tok(self._render([{"role": "user", "content": ex.prompt}], gen_prompt=True),
-                           add_special_tokens=False)["input_ids"]
+        msgs = ex.messages or [{"role": "user", "content": ex.prompt}]
+        msgs = msgs[:max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=len(msgs))]
+        if self.template == "chat":
+            ids = self.tok(render(self.tok, msgs, gen_prompt=True), add_special_tokens=False)["input_ids"]
         else:
-            ids = self.tok(ex.prompt, add_special_tokens=True)["input_ids"]
+            ids = self._raw_chat(msgs)[0]
         if len(ids) >= self.max_length:
             raise SkipSample("too_long", f"prompt of {len(ids)} tokens leaves no room under max_length "
                              f"{self.max_length}")

@@ -72,10 +72,33 @@ def check_paths(cfg):
                         "dataset to disk with datasets' save_to_disk and pass the directory)")
 
 
+MAX_LENGTH_CAP = 2048    # the default max_length where the teacher's context is longer
+
+
+def context_length(model_config):
+    """The teacher's context (max_position_embeddings, of the text model where it is nested), or None."""
+    text = getattr(model_config, "text_config", None) or model_config
+    return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+
+
+def settle_max_length(cfg, model_config):
+    """cfg with max_length resolved: the teacher's context capped at MAX_LENGTH_CAP by default; an explicit
+    value above the context is refused here, before any Ray or teacher start-up."""
+    ctx = context_length(model_config)
+    if cfg.max_length is None:
+        return replace(cfg, max_length=min(ctx or MAX_LENGTH_CAP, MAX_LENGTH_CAP))
+    if ctx and cfg.max_length > ctx:
+        raise ConfigError(f"max_length: {cfg.max_length} is above the teacher's context of {ctx} tokens "
+                          f"(max_position_embeddings in {cfg.teacher}/config.json); use --max-length {ctx} or less")
+    return cfg
+
+
 def settle(cfg, t_start):
     """The Job: tokenizer, end-of-turn ids, teacher backend, dtype and fingerprint parts."""
     from transformers import AutoConfig, AutoTokenizer
     check_paths(cfg)
+    model_config = AutoConfig.from_pretrained(cfg.teacher, trust_remote_code=cfg.trust_remote_code)
+    cfg = settle_max_length(cfg, model_config)
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.teacher, trust_remote_code=cfg.trust_remote_code)
     eos_ids = end_of_turn_ids(tok, [tok.convert_tokens_to_ids(t) for t in cfg.eos_tokens])
     encoder = Encoder(tok, template=cfg.template, max_length=cfg.max_length, overlong=cfg.overlong,
@@ -86,7 +109,7 @@ def settle(cfg, t_start):
     backend = pick_backend(cfg.backend)
     gpus = worker_gpus(cfg)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if gpus > 0 else "float32")
-    vocab_size = AutoConfig.from_pretrained(cfg.teacher, trust_remote_code=cfg.trust_remote_code).vocab_size
+    vocab_size = (getattr(model_config, "text_config", None) or model_config).vocab_size
     if cfg.top_k > vocab_size:
         raise ConfigError(f"top_k: {cfg.top_k} is more than the teacher's vocabulary of {vocab_size} tokens; "
                           f"use --top-k {vocab_size} or less")
@@ -114,6 +137,7 @@ def fingerprint_parts(cfg, tok_identity, eos_ids, backend, dtype):
 
 def run_precompute(cfg):
     job = settle(cfg, time.time())
+    cfg = job.cfg                      # with max_length resolved
     # Everything the cache depends on is known before reading the dataset: fingerprint first, so a
     # finished cache (here or in a store) is found and reused without a teacher or a tokenizer pass.
     fp, full_parts = cache_fingerprint(job.parts, backend=cfg.format, top_k=cfg.top_k,

@@ -91,3 +91,31 @@ def test_enormous_message_is_truncated_and_flagged_or_dropped(tiny):
     with pytest.raises(SkipSample) as e:
         Encoder(tok, max_length=512, overlong="drop").encode(parse_record(long_answer))
     assert e.value.reason == "too_long"
+
+
+def test_a_template_that_refuses_a_chat_is_a_bad_record_not_a_crash(tiny):
+    import copy
+
+    from cache_format.errors import BadRecord
+    tok = copy.deepcopy(tiny["tok"])
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}"
+                         "{{ m['content'] + '<|im_end|>' }}{% endfor %}")
+    chat = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "sql"}]}
+    with pytest.raises(BadRecord, match="chat template refuses this chat: TemplateError: System role not supported"):
+        Encoder(tok).encode(parse_record(chat))
+
+
+@pytest.mark.parametrize("how", ["no template", "template raw"])
+def test_chat_records_without_a_template_are_concatenated_and_trained(tiny, how):
+    import copy
+    tok = copy.deepcopy(tiny["tok"])
+    if how == "no template":
+        tok.chat_template = None
+    enc = Encoder(tok, template="raw" if how == "template raw" else "auto").encode(parse_record(MULTI))
+    ids = enc.input_ids.tolist()
+    pieces = [tok(m["content"], add_special_tokens=False)["input_ids"] for m in MULTI["messages"]]
+    answers = [p + [tok.eos_token_id] for p, m in zip(pieces, MULTI["messages"]) if m["role"] == "assistant"]
+    assert targets(enc) == [t for a in answers for t in a]          # every answer, each through its EOS
+    assert "<|im_start|>" not in tok.decode(ids)                     # no template text

@@ -43,3 +43,9 @@ def test_train_with_a_missing_cache_says_so_before_deepspeed_starts(tiny, tmp_pa
     res = kdcache("train", "--cache", tmp_path / "nocache", "--student", tiny["teacher"], "--out", tmp_path / "o")
     assert res.returncode == 2 and f"{tmp_path / 'nocache'}/manifest.json: no manifest" in res.stderr
     assert "accelerator" not in (res.stdout + res.stderr).lower()       # DeepSpeed was never imported
+
+
+def test_max_length_above_the_teachers_context(tiny, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "docker"}])
+    res = precompute("--teacher", tiny["teacher"], "--data", data, "--out", tmp_path / "c", "--max-length", 4096)
+    refused(res, "max_length: 4096 is above the teacher's context of 512 tokens", "--max-length 512")

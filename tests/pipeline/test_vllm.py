@@ -39,13 +39,14 @@ def test_vllm_cache_agrees_with_the_transformers_reference(tiny, tmp_path):
     rows = [MULTI, {"prompt": "hello there", "completion": "sql"}, {"text": "docker and kubernetes"}] + \
         tiny["train"][:5]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
+    # No --max-length: the default comes from the teacher's context (512 here), which vLLM accepts.
     vl = precompute("--teacher", tiny["teacher"], "--data", data, "--top-k", 128, "--logprob-dtype", "float32",
-                    "--shard-size", 4, "--max-length", 256, "--backend", "vllm", "--out", tmp_path / "vllm",
-                    timeout=600)
+                    "--shard-size", 4, "--backend", "vllm", "--out", tmp_path / "vllm", timeout=600)
     assert vl.returncode == 0, vl.stderr[-3000:]
     assert verify_cache(tmp_path / "vllm").ok
     cache = open_cache(tmp_path / "vllm")
     assert cache.manifest["meta"]["teacher_backend"] == "vllm" and len(cache) == len(rows)
+    assert cache.manifest["fingerprint_parts"]["capture"]["max_length"] == 512
     recs = list(cache)
     _, ref = hf_reference(tiny["teacher"], recs, 128)
     for rec, want in zip(recs, ref):
