@@ -3,14 +3,20 @@
 A checkpoint is written into `checkpoints/.tmp-step-NNNNNNNN/` (DeepSpeed's
 engine state plus one small file per rank with its RNG and reader state);
 when every rank has finished, rank 0 writes `complete.json` and renames the
-directory to `checkpoints/step-NNNNNNNN`. Resume picks the highest step whose
-directory has `complete.json`; a half-written checkpoint is never chosen.
+directory to `checkpoints/step-NNNNNNNN`. A half-written checkpoint is never chosen.
+
+Several runs can leave checkpoints in one --out (a `--resume never` restart, a rewind with
+`--resume PATH`, a copied directory). So each run has an id, made at its first start and kept in
+`OUT/run_id.json` across resumes, and `complete.json` records it: `--resume auto` takes the latest
+checkpoint of the current run, refuses when another run's checkpoints are newer, and pruning only
+removes the current run's older checkpoints. Checkpoints from before run ids resume as before.
 """
 import json
 import os
 import random
 import re
 import shutil
+import uuid
 
 import numpy as np
 import torch
@@ -19,6 +25,7 @@ from cache_format.atomic import atomic_write_bytes, fsync_path, fsync_tree
 from cache_format.errors import TrainDataError
 
 CKPT_DIR = "checkpoints"
+RUN_FILE = "run_id.json"     # beside checkpoints/, not in it: that directory holds only step-* entries
 TAG = "state"
 _NAME = re.compile(r"^step-(\d{8})$")
 
@@ -27,29 +34,101 @@ def step_dir(out, step):
     return os.path.join(out, CKPT_DIR, f"step-{step:08d}")
 
 
-def complete_checkpoints(out):
-    """[(step, path)] of complete checkpoints, oldest first."""
+def _checkpoints(out):
+    """[(step, path, run_id)] of complete checkpoints, oldest first; run_id None for those from before run ids."""
     root = os.path.join(out, CKPT_DIR)
     found = []
     if os.path.isdir(root):
         for name in os.listdir(root):
             m = _NAME.match(name)
             path = os.path.join(root, name)
-            if m and os.path.isfile(os.path.join(path, "complete.json")):
-                found.append((int(m.group(1)), path))
+            if not m:
+                continue
+            try:
+                with open(os.path.join(path, "complete.json")) as f:
+                    run_id = json.load(f).get("run_id")
+            except (OSError, ValueError):       # no complete.json (half-written) or unreadable: not complete
+                continue
+            found.append((int(m.group(1)), path, run_id))
     return sorted(found)
 
 
-def resolve_resume(out, resume):
-    """The checkpoint directory to resume from, or None."""
+def complete_checkpoints(out):
+    """[(step, path)] of complete checkpoints of every run, oldest first."""
+    return [(step, path) for step, path, _run in _checkpoints(out)]
+
+
+def run_checkpoints(out):
+    """[(step, path)] of the current run's complete checkpoints, oldest first."""
+    run_id = read_run_id(out)
+    return [(step, path) for step, path, rid in _checkpoints(out) if run_id and rid == run_id]
+
+
+def read_run_id(out):
+    """The current run's id from OUT/run_id.json, or None before the first start of a run there."""
+    try:
+        with open(os.path.join(out, RUN_FILE)) as f:
+            return json.load(f)["run_id"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TrainDataError(f"{os.path.join(out, RUN_FILE)} is unreadable ({e}); delete it to start a new run "
+                             "in this --out, or use a new --out") from e
+
+
+def _start_run(out, rank):
+    """A new run id for the checkpoints written from now on (rank 0 only: all ranks share the directory)."""
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        atomic_write_bytes(os.path.join(out, RUN_FILE), json.dumps({"run_id": uuid.uuid4().hex}).encode())
+
+
+def _other_runs(out, run_id, mine, others):
+    """The refusal of `--resume auto` when the newest checkpoints here are not the current run's."""
+    ours = f"steps {', '.join(str(c[0]) for c in mine)}" if mine else "no checkpoint yet"
+    theirs = ", ".join(f"{step} (run {rid or 'without id'})" for step, _p, rid in others)
+    return TrainDataError(
+        f"{os.path.join(out, CKPT_DIR)} holds checkpoints of another run, newer than this run's (run "
+        f"{run_id or 'not recorded'} in {os.path.join(out, RUN_FILE)}: {ours}); other runs' steps: {theirs}. "
+        "--resume auto will not continue another run's step. Use a new --out, or --resume PATH with the "
+        "checkpoints/step-* directory to continue from.")
+
+
+def _resume_auto(out, rank):
+    """The latest complete checkpoint of the current run; refuse when another run's are newer or the only ones."""
+    run_id, found = read_run_id(out), _checkpoints(out)
+    mine = [c for c in found if run_id and c[2] == run_id]
+    others = [c for c in found if c not in mine]
+    if mine:
+        if others and others[-1][0] > mine[-1][0]:
+            raise _other_runs(out, run_id, mine, others)
+        return mine[-1][1]
+    if any(rid for _s, _p, rid in others):
+        raise _other_runs(out, run_id, mine, others)
+    if run_id is None:
+        _start_run(out, rank)           # the first start of a run here (or of the first one after an upgrade)
+    return others[-1][1] if others else None      # checkpoints from before run ids: resumable as before
+
+
+def resolve_resume(out, resume, rank=None):
+    """The checkpoint directory to resume from, or None. Also fixes which run the next checkpoints belong to:
+    `never` starts a new run; a PATH continues its run only when it is that run's latest checkpoint here
+    (otherwise the run's newer checkpoints would later win `auto`: a rewind starts a new run)."""
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     if resume == "never":
+        _start_run(out, rank)
         return None
     if resume == "auto":
-        done = complete_checkpoints(out)
-        return done[-1][1] if done else None
+        return _resume_auto(out, rank)
     if not os.path.isfile(os.path.join(resume, "complete.json")):
         raise FileNotFoundError(f"{resume} is not a complete checkpoint (no complete.json); "
                                 "pick a checkpoints/step-* directory or use --resume auto")
+    with open(os.path.join(resume, "complete.json")) as f:
+        meta = json.load(f)
+    current = read_run_id(out)
+    mine = [step for step, _p, rid in _checkpoints(out) if current and rid == current]
+    if not (meta.get("run_id") and meta["run_id"] == current and meta["step"] >= max(mine, default=-1)):
+        _start_run(out, rank)
     return resume
 
 
@@ -57,9 +136,12 @@ def rng_state():
     """RNG states as plain JSON data (no pickle in our own files)."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(internal), gauss],
-            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-            "torch": torch.get_rng_state().tolist()}
+    st = {"python": [version, list(internal), gauss],
+          "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+          "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():   # dropout on the GPU draws from these: without them a resume is another run
+        st["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return st
 
 
 def set_rng_state(st):
@@ -68,6 +150,10 @@ def set_rng_state(st):
     name, keys, pos, has_gauss, cached = st["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+    if st.get("cuda") and torch.cuda.is_available():    # absent in checkpoints from before it, or saved on CPU
+        # One state per visible device; restore those that exist here (set_rng_state_all fails past the last).
+        states = st["cuda"][:torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all([torch.tensor(x, dtype=torch.uint8) for x in states])
 
 
 def check_plan(path, plan):
@@ -97,18 +183,29 @@ def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, k
                        json.dumps({"rng": rng_state(), "reader": rank_state}).encode())
     barrier()
     if rank == 0:
+        run_id = read_run_id(out)
+        if run_id is None:              # saved without resolve_resume first: this is the run's first start
+            _start_run(out, rank)
+            run_id = read_run_id(out)
         fsync_tree(tmp)
         atomic_write_bytes(os.path.join(tmp, "complete.json"),
-                           json.dumps({"step": step, "world_size": world, "data": plan}).encode())
+                           json.dumps({"step": step, "world_size": world, "data": plan, "run_id": run_id}).encode())
         final = step_dir(out, step)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_path(os.path.dirname(final))
-        for _step, old in complete_checkpoints(out)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(out, run_id, step, keep)
     barrier()
     return step_dir(out, step)
+
+
+def _prune(out, run_id, step, keep):
+    """Keep the checkpoint just written and this run's keep-1 newest before it. Other runs' checkpoints (and
+    those from before run ids) stay: their step numbers say nothing about their age next to ours."""
+    older = [path for s, path, rid in _checkpoints(out) if rid == run_id and s < step]
+    for old in older[:max(0, len(older) - (max(1, keep) - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def load(engine, path, rank):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_format.atomic import atomic_write_bytes
+from cache_format.atomic import atomic_write_bytes, publish, remove
 from cache_format.errors import ConfigError, TrainDataError
 from cache_format.manifest import load_manifest
 from cache_format.record import lacks_end_of_turn
@@ -174,7 +174,7 @@ def optimizer_step(run, window, state):
 def finish(run, reason, resume_cmd):
     """A last checkpoint; then, unless stopped, the final model (save_pretrained), the loss curve, a summary."""
     cfg, rank, stream = run.cfg, run.rank, run.stream
-    done = checkpoint.complete_checkpoints(cfg.out)
+    done = checkpoint.run_checkpoints(cfg.out)     # ours only: another run's step N is not our step N
     if not done or done[-1][0] != run.step:
         save(run)
     stream.close()
@@ -265,14 +265,26 @@ def save(run):
 
 
 def save_final(model, tok, path, rank, stage):
-    """save_pretrained on rank 0; under ZeRO-3 every rank first gathers the partitioned weights."""
-    import deepspeed
-    gather = deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None) if stage == 3 \
-        else contextlib.nullcontext()
+    """save_pretrained on rank 0; under ZeRO-3 every rank first gathers the partitioned weights.
+
+    Written into a temp sibling and swapped in whole (publish: fsync, old one aside, replace, old removed):
+    a crash mid-save leaves the previous `final/` or none, never a half-written or mixed one."""
+    gather = contextlib.nullcontext()
+    if stage == 3:
+        import deepspeed
+        gather = deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
     with gather:
         if rank == 0:
-            model.save_pretrained(path, safe_serialization=True)
-            tok.save_pretrained(path)
+            head, tail = os.path.split(os.path.abspath(path))
+            tmp = os.path.join(head, f".{tail}.tmp-{os.getpid()}")
+            remove(tmp)                     # our pid's leftover from an earlier crash, if any
+            try:
+                model.save_pretrained(tmp, safe_serialization=True)
+                tok.save_pretrained(tmp)
+                publish(tmp, path)
+            except BaseException:
+                remove(tmp)
+                raise
 
 
 def _total_norm(module):
