@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kdcache.batching import budget_groups
+from kdcache.heads import logit_transform
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,7 +24,7 @@ class HFTeacher:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code).to(self.device).eval()
         self.batch_tokens = batch_tokens
-        self.softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        self.transform = logit_transform(self.model.config)   # soft-capping, scaling: the model's own logits
 
     @torch.no_grad()
     def score(self, seqs, positions, k):
@@ -42,8 +43,8 @@ class HFTeacher:
             for r, i in enumerate(idx):
                 pos = torch.as_tensor(np.array(positions[i], dtype=np.int64), device=self.device)
                 logits = head(hidden[r, pos]).float()                          # (P, V)
-                if self.softcap:
-                    logits = torch.tanh(logits / self.softcap) * self.softcap
+                if self.transform is not None:
+                    logits = self.transform(logits)
                 lp = torch.log_softmax(logits, dim=-1)
                 top_lp, top_ids = lp.topk(k, dim=-1)                           # (P, k), sorted descending
                 out[i] = (top_ids.int().cpu().numpy(), top_lp.cpu().numpy().astype(np.float32))

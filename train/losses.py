@@ -210,7 +210,7 @@ class _FusedChunks(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, topk_ids, topk_logprobs, tail_mass, targets, cfg):
+    def forward(ctx, hidden, weight, bias, topk_ids, topk_logprobs, tail_mass, targets, cfg, transform):
         need = any(ctx.needs_input_grad[:3])
         h32, w32 = hidden.float(), weight.float()
         b32 = None if bias is None else bias.float()
@@ -221,19 +221,19 @@ class _FusedChunks(torch.autograd.Function):
         for lo in range(0, hidden.shape[0], cfg.chunk_size):
             sl = slice(lo, lo + cfg.chunk_size)
             hc = h32[sl]
-            logits = F.linear(hc, w32, b32)  # [c, V] float32
+            z = F.linear(hc, w32, b32)  # [c, V] float32: lm_head's output
             args = (topk_ids[sl], topk_logprobs[sl], tail_mass[sl], targets[sl], cfg)
             if need:
-                logits.requires_grad_(True)
+                z.requires_grad_(True)
                 with torch.enable_grad():
-                    loss, kd, ce = _loss_sums(logits, *args)
-                (dlogits,) = torch.autograd.grad(loss, logits)  # [c, V], freed after this iteration
+                    loss, kd, ce = _loss_sums(transform(z) if transform else z, *args)
+                (dlogits,) = torch.autograd.grad(loss, z)  # [c, V] w.r.t. lm_head's output, freed after this iteration
                 gh[sl] = dlogits @ w32
                 gw.addmm_(dlogits.T, hc)
                 if gb is not None:
                     gb += dlogits.sum(0)
             else:
-                loss, kd, ce = _loss_sums(logits, *args)
+                loss, kd, ce = _loss_sums(transform(z) if transform else z, *args)
             sums += torch.stack([loss.detach(), kd, ce])
         ctx.save_for_backward(gh, gw, gb)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -246,24 +246,26 @@ class _FusedChunks(torch.autograd.Function):
         gh, gw, gb = ctx.saved_tensors
         dh, dw, db = ctx.dtypes
         return ((gh * g_loss).to(dh) if gh is not None else None, (gw * g_loss).to(dw) if gw is not None else None,
-                (gb * g_loss).to(db) if gb is not None else None, None, None, None, None, None)
+                (gb * g_loss).to(db) if gb is not None else None, None, None, None, None, None, None)
 
 
 def chunked_kd_loss(hidden: Tensor, lm_head_weight: Tensor, topk_ids: Tensor, topk_logprobs: Tensor,
                     tail_mass: Tensor, targets: Tensor, cfg: LossConfig,
-                    lm_head_bias: Tensor | None = None) -> tuple[Tensor, dict]:
-    """kd_loss_from_logits(hidden @ W.T + b, ...) computed cfg.chunk_size positions at a time.
+                    lm_head_bias: Tensor | None = None, logit_transform=None) -> tuple[Tensor, dict]:
+    """kd_loss_from_logits(f(hidden @ W.T + b), ...) computed cfg.chunk_size positions at a time.
 
     hidden [N, H], lm_head_weight [V, H], lm_head_bias [V] or None; the rest as in kd_loss_from_logits.
+    logit_transform f: what the model's forward does after lm_head (soft-capping, scaling; see
+    kdcache/heads.py), applied inside each chunk, or None.
     At most one chunk's [chunk, V] float32 logits (and their gradient) are alive at any moment, and the
     backward pass recomputes nothing (see _FusedChunks). Gradients accumulate in float32.
     """
     n = hidden.shape[0]
     if n == 0:
-        return kd_loss_from_logits(F.linear(hidden.float(), lm_head_weight.float(),
-                                            None if lm_head_bias is None else lm_head_bias.float()),
-                                   topk_ids, topk_logprobs, tail_mass, targets, cfg)
+        z = F.linear(hidden.float(), lm_head_weight.float(), None if lm_head_bias is None else lm_head_bias.float())
+        return kd_loss_from_logits(logit_transform(z) if logit_transform else z, topk_ids, topk_logprobs,
+                                   tail_mass, targets, cfg)
     loss, kd, ce = _FusedChunks.apply(hidden, lm_head_weight, lm_head_bias, topk_ids, topk_logprobs, tail_mass,
-                                      targets, cfg)
+                                      targets, cfg, logit_transform)
     return loss, {"kd": float(kd), "sft": float(ce), "positions": int(n)}
 

@@ -6,6 +6,7 @@ from torch import nn
 
 from cache_format.errors import TokenizerMismatch
 from cache_format.tokenizer_id import diff_identity, tokenizer_identity
+from kdcache.heads import logit_transform
 
 from .batch import Batch
 from .losses import LossConfig, chunked_kd_loss, kd_loss_from_logits
@@ -54,6 +55,7 @@ class DistillModule(nn.Module):
     def __init__(self, model, loss_cfg: LossConfig, chunked=True):
         super().__init__()
         self.model, self.loss_cfg, self.chunked = model, loss_cfg, chunked
+        self.transform = logit_transform(model.config)   # soft-capping, scaling: the model's own logits
 
     def forward(self, b: Batch):
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
@@ -64,5 +66,6 @@ class DistillModule(nn.Module):
         head = self.model.get_output_embeddings()
         if self.chunked:
             return chunked_kd_loss(h, head.weight, b.topk_ids, b.topk_logprobs, b.tail_mass, b.targets,
-                                   self.loss_cfg, lm_head_bias=head.bias)
-        return kd_loss_from_logits(head(h), b.topk_ids, b.topk_logprobs, b.tail_mass, b.targets, self.loss_cfg)
+                                   self.loss_cfg, lm_head_bias=head.bias, logit_transform=self.transform)
+        logits = head(h) if self.transform is None else self.transform(head(h))
+        return kd_loss_from_logits(logits, b.topk_ids, b.topk_logprobs, b.tail_mass, b.targets, self.loss_cfg)

@@ -1,0 +1,92 @@
+"""Real template shapes (tests/helpers/families.py): every allowed chat is cached token-exact, nothing is
+skipped, every assistant turn is trained through its end-of-turn token, and no user or system token is."""
+import numpy as np
+import pytest
+
+from cache_format.errors import BadRecord
+from kdcache.demo.task import corpus, make_splits
+from pipeline.chat import render
+from pipeline.data import parse_record
+from pipeline.encode import Encoder
+from tests.helpers.families import CHATS, CODE, FAMILIES, corpus_texts, expected_refusal, family_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    texts = corpus_texts() + list(corpus(make_splits(60, 0, seed=0)[0]))
+    return {name: family_tokenizer(name, str(root / name), texts) for name in FAMILIES}
+
+
+def trained_runs(sample):
+    """The trained target indices, split into runs of consecutive tokens (one per assistant turn)."""
+    targets = sample.positions + 1
+    return np.split(targets, np.flatnonzero(np.diff(targets) > 1) + 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_chat_is_cached_token_exact_and_trained_on_answers_only(tokenizers, family):
+    tok = tokenizers[family]
+    enc = Encoder(tok, max_length=4096)
+    for chat in CHATS:
+        msgs, record = chat["messages"], parse_record({"messages": chat["messages"]})
+        if expected_refusal(family, msgs):
+            with pytest.raises(BadRecord, match="chat template refuses"):
+                enc.encode(record)                  # counted and listed by the job, never a crash
+            continue
+        s = enc.encode(record)                      # no SkipSample: nothing is lost
+        full = render(tok, msgs)
+        assert s.input_ids.tolist() == tok(full, add_special_tokens=False)["input_ids"], chat["name"]
+        answers = [m["content"] for m in msgs if m["role"] == "assistant"]
+        runs = trained_runs(s)
+        assert len(runs) == len(answers), chat["name"]
+        for run, answer in zip(runs, answers):
+            ids = s.input_ids[run]
+            assert ids[-1] in enc.eos_ids and not np.isin(ids[:-1], list(enc.eos_ids)).any(), chat["name"]
+            text = tok.decode(ids.tolist())
+            assert answer.split("</think>")[-1].strip() in text, (family, chat["name"], text)
+            for m in msgs:
+                if m["role"] in ("user", "system"):
+                    assert m["content"] not in text, (family, chat["name"], text)
+
+
+def test_an_answer_starting_with_whitespace_is_trained_from_its_first_character(tokenizers):
+    """Qwen2's pre-tokenizer merges the template's newline with the answer's: that token is trained."""
+    tok = tokenizers["chatml"]
+    chat = next(c for c in CHATS if c["name"] == "code_answer")
+    s = Encoder(tok).encode(parse_record({"messages": chat["messages"]}))
+    first = s.positions[0] + 1
+    before = tok.decode(s.input_ids[:first].tolist())
+    assert before.endswith("<|im_start|>assistant") or before.endswith("<|im_start|>assistant\n")
+    assert CODE in tok.decode(s.input_ids[first:].tolist())               # the leading newline and indent too
+
+
+def test_qwen3_trains_the_last_turns_empty_think_block(tokenizers):
+    tok = tokenizers["qwen3"]
+    chat = next(c for c in CHATS if c["name"] == "two_turns")
+    s = Encoder(tok).encode(parse_record({"messages": chat["messages"]}))
+    first, last = (tok.decode(s.input_ids[r].tolist()) for r in trained_runs(s))
+    assert first == "sql<|im_end|>"                                        # earlier turn: as the template wrote it
+    assert last == "<think>\n\n</think>\n\nkubernetes<|im_end|>"           # what the model writes after the prompt
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "gemma"])
+def test_precompute_keeps_every_chat_the_template_allows(tokenizers, family, tmp_path):
+    """End to end with the default --on-bad-record fail: every allowed multi-turn chat is cached, verify passes
+    (every sample trains an end-of-turn position), and a teacher with the family's head scores it."""
+    from cache_format import open_cache, verify_cache
+    from tests.helpers.cli import precompute, write_jsonl
+    from tests.helpers.families import FAMILY_ARCH, family_model
+    tok = tokenizers[family]
+    teacher = tmp_path / "teacher"
+    family_model(tok, str(teacher), arch=FAMILY_ARCH[family])
+    allowed = [{"messages": c["messages"]} for c in CHATS if not expected_refusal(family, c["messages"])]
+    data = write_jsonl(tmp_path / "d.jsonl", allowed)
+    res = precompute("--teacher", teacher, "--data", data, "--out", tmp_path / "c", "--backend", "hf",
+                     "--top-k", 8, "--shard-size", 4)
+    assert res.returncode == 0, res.stderr[-3000:]
+    cache = open_cache(tmp_path / "c")
+    assert cache.complete and len(cache) == len(allowed) and cache.manifest["meta"]["skipped"] == {}
+    assert verify_cache(tmp_path / "c").ok
