@@ -116,22 +116,24 @@ class _LogRestMass(torch.autograd.Function):
         return e * scale[:, None], None, None
 
 
-def _student_logp(student_logits: Tensor, tau: float) -> Tensor:
-    """log_softmax(logits / tau) over the FULL vocabulary, float32 [N, V]; never top-k first."""
-    logits = student_logits.float()
-    return F.log_softmax(logits / tau if tau != 1.0 else logits, dim=-1)  # skip a [N, V] copy at tau = 1
+def _student_logp(student_logits: Tensor) -> Tensor:
+    """log_softmax(logits) over the FULL vocabulary at temperature 1, float32 [N, V]; never top-k first."""
+    return F.log_softmax(student_logits.float(), dim=-1)
 
 
 def _buckets(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, tail_mass: Tensor,
              cfg: LossConfig, logp: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Teacher and student log-probs over the buckets, and which buckets exist: three [N, B] tensors.
 
-    Tempering: the student's full-vocab logits are divided by tau before the softmax (exact). The teacher's stored
-    log-probs are divided by tau and renormalized over the stored buckets, i.e. p^(1/tau) / sum; in tail mode the
-    tail bucket is tempered as if it were one token, an approximation that is exact at tau = 1.
+    Tempering treats both sides alike: each side's bucket probabilities at temperature 1 are raised to 1/tau and
+    renormalized over the buckets, p_b^(1/tau) / sum. For the top-k buckets that is exactly softmax(logits / tau)
+    restricted to them; the tail bucket is tempered as one bucket on both sides, because the cache stores only
+    the teacher's tail mass, not what tempering each tail token would need. So a student equal to the teacher
+    has zero loss at every tau (tempering the student's full vocabulary against a one-bucket teacher tail did
+    not keep that). At tau = 1 it is the exact bucket distribution.
     """
     tau = cfg.temperature
-    logp = _student_logp(student_logits, tau) if logp is None else logp  # [N, V]
+    logp = _student_logp(student_logits) if logp is None else logp  # [N, V]
     n, v = logp.shape
     ids = topk_ids.long()
     valid = ids >= 0  # [N, k]; -1 marks padding
@@ -140,7 +142,7 @@ def _buckets(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, ta
     if cfg.tail == "renorm":
         # Both sides restricted to the support and renormalized: the student's mass outside the support is
         # ignored, so it is never pushed down. "tail" mode exists to fix that.
-        return _log_normalize(t_top, valid), _log_normalize(s_top, valid), valid
+        return _log_normalize(t_top, valid), _log_normalize(s_top / tau, valid), valid
 
     # Student tail = log of the mass of the ids outside the top-k, summed directly (exact), not 1 - sum(s_i),
     # which cancels catastrophically once the top-k holds nearly all the mass (it reads 0 below ~1e-7 in float32).
@@ -151,6 +153,8 @@ def _buckets(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, ta
     t_tail = tail_mass.float().clamp(0.0, 1.0).log() / tau
     valid = torch.cat([valid, has_tail[:, None]], dim=1)
     log_s = torch.cat([s_top, s_tail[:, None]], dim=1).masked_fill(~valid, _NEG_INF)
+    if tau != 1.0:                     # the same tempering as the teacher's, tail as one bucket
+        log_s = _log_normalize(log_s / tau, valid)
     log_t = _log_normalize(torch.cat([t_top, t_tail[:, None]], dim=1), valid)
     return log_t, log_s, valid
 
@@ -173,18 +177,13 @@ def sft_per_position(student_logits: Tensor, targets: Tensor) -> Tensor:
 
 def _loss_sums(student_logits, topk_ids, topk_logprobs, tail_mass, targets, cfg) -> tuple[Tensor, Tensor, Tensor]:
     """(loss sum with grad, detached KD sum, detached CE sum), each 0-dim."""
-    logp = _student_logp(student_logits, cfg.temperature)
+    logp = _student_logp(student_logits)
     log_t, log_s, valid = _buckets(student_logits, topk_ids, topk_logprobs, tail_mass, cfg, logp=logp)
     kd = (_generalized_jsd(log_t, log_s, valid, cfg.beta) * cfg.temperature**2).sum()
     tgt = targets.long()
-    if cfg.temperature == 1.0:   # the KD log-softmax is the CE one: gather instead of a second [N, V] pass
-        ce_terms = -logp.gather(1, tgt.clamp_min(0)[:, None]).squeeze(1).masked_fill(tgt < 0, 0.0)
-        ce = ce_terms.sum() if cfg.sft_alpha > 0 else ce_terms.detach().sum()
-    elif cfg.sft_alpha > 0:
-        ce = sft_per_position(student_logits, targets).sum()
-    else:
-        with torch.no_grad():  # logged only; no_grad keeps its [N, V] log-softmax out of the autograd graph
-            ce = sft_per_position(student_logits, targets).sum()
+    # The KD log-softmax (temperature 1) is the CE one: gather instead of a second [N, V] pass.
+    ce_terms = -logp.gather(1, tgt.clamp_min(0)[:, None]).squeeze(1).masked_fill(tgt < 0, 0.0)
+    ce = ce_terms.sum() if cfg.sft_alpha > 0 else ce_terms.detach().sum()
     loss = kd + cfg.sft_alpha * ce if cfg.sft_alpha > 0 else kd
     return loss, kd.detach(), ce.detach()
 
