@@ -5,6 +5,10 @@ import numpy as np
 
 from .errors import RecordError
 
+# A teacher log-prob of -inf (a masked or impossible token in the top-k, e.g. a padded vocabulary row) is
+# stored as this finite floor: exp(-1000) is 0 in every float type, and float16 holds it exactly.
+LOGPROB_FLOOR = -1000.0
+
 
 @dataclass
 class Record:
@@ -58,6 +62,7 @@ def check_record(rec: Record, top_k: int, vocab_size: int) -> Record:
     pos = np.ascontiguousarray(rec.positions, dtype=np.int32)
     tid = np.ascontiguousarray(rec.topk_ids, dtype=np.int32)
     tlp = np.ascontiguousarray(rec.topk_logprobs, dtype=np.float32)
+    tlp = np.where(np.isneginf(tlp), np.float32(LOGPROB_FLOOR), tlp)          # impossible tokens: the floor
     tail = tail_mass_from_logprobs(rec.topk_logprobs) if rec.tail_mass is None else \
         np.ascontiguousarray(rec.tail_mass, dtype=np.float32)
     T, P = ids.shape[0] if ids.ndim == 1 else -1, pos.shape[0] if pos.ndim == 1 else -1

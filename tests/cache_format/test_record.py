@@ -28,3 +28,23 @@ def test_the_writer_derives_the_tail_from_the_logprobs(tmp_path):
     for want, got in zip(recs, open_cache(tmp_path)):
         np.testing.assert_allclose(got.tail_mass, tail_mass_from_logprobs(want.topk_logprobs), atol=1e-7)
         assert got.tail_mass.min() > 0                                   # really the mass outside the top-k
+
+
+def test_an_impossible_token_in_the_top_k_is_stored_at_the_floor(tmp_path):
+    """One -inf log-prob (a masked vocabulary row) used to fail the whole job in check_record."""
+    import torch
+
+    from cache_format.record import LOGPROB_FLOOR
+    from train.losses import LossConfig, gkd_per_position
+    recs = make_records(3, seed=4)
+    recs[1].topk_logprobs[:, -1] = -np.inf
+    recs[1].tail_mass = None                          # the writer derives it, as from a teacher
+    write_cache(tmp_path, recs, shard_size=4, **writer_kwargs("arrow"))
+    got = open_cache(tmp_path)[1]
+    assert (got.topk_logprobs[:, -1] == LOGPROB_FLOOR).all() and np.isfinite(got.topk_logprobs).all()
+    np.testing.assert_allclose(got.tail_mass, tail_mass_from_logprobs(recs[1].topk_logprobs), atol=1e-6)
+    logits = torch.randn(len(got.positions), 300)
+    for beta in (0.0, 0.5, 1.0):
+        loss = gkd_per_position(logits, torch.from_numpy(got.topk_ids).long(), torch.from_numpy(got.topk_logprobs),
+                                torch.from_numpy(got.tail_mass), LossConfig(beta=beta))
+        assert torch.isfinite(loss).all()
