@@ -93,6 +93,18 @@ def settle_max_length(cfg, model_config):
     return cfg
 
 
+def generation_eos_ids(model_dir):
+    """The EOS ids of the teacher's generation_config.json (vLLM and transformers stop on them too: Qwen2.5
+    stops on <|endoftext|> as well as <|im_end|>), so both backends stop on one recorded set."""
+    import json
+    try:
+        with open(os.path.join(model_dir, "generation_config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    return [int(t) for t in (eos if isinstance(eos, list) else [eos]) if isinstance(t, int)]
+
+
 def settle(cfg, t_start):
     """The Job: tokenizer, end-of-turn ids, teacher backend, dtype and fingerprint parts."""
     from transformers import AutoConfig, AutoTokenizer
@@ -100,7 +112,8 @@ def settle(cfg, t_start):
     model_config = AutoConfig.from_pretrained(cfg.teacher, trust_remote_code=cfg.trust_remote_code)
     cfg = settle_max_length(cfg, model_config)
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.teacher, trust_remote_code=cfg.trust_remote_code)
-    eos_ids = end_of_turn_ids(tok, [tok.convert_tokens_to_ids(t) for t in cfg.eos_tokens])
+    extra = [tok.convert_tokens_to_ids(t) for t in cfg.eos_tokens] + generation_eos_ids(cfg.teacher)
+    eos_ids = end_of_turn_ids(tok, extra)
     encoder = Encoder(tok, template=cfg.template, max_length=cfg.max_length, overlong=cfg.overlong,
                       eos_ids=eos_ids, mode=cfg.mode, drop_end_of_turn=cfg.drop_end_of_turn)
     if cfg.drop_end_of_turn:

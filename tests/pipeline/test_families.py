@@ -90,3 +90,19 @@ def test_precompute_keeps_every_chat_the_template_allows(tokenizers, family, tmp
     cache = open_cache(tmp_path / "c")
     assert cache.complete and len(cache) == len(allowed) and cache.manifest["meta"]["skipped"] == {}
     assert verify_cache(tmp_path / "c").ok
+
+
+def test_the_generation_configs_eos_ids_are_end_of_turn_ids(tokenizers, tmp_path):
+    """Both backends stop on one recorded set: tokenizer EOS, template end-of-turn, generation config EOS."""
+    from pipeline.config import PrecomputeConfig
+    from pipeline.job import settle
+    from tests.helpers.cli import write_jsonl
+    from tests.helpers.families import FAMILY_ARCH, family_model
+    tok = tokenizers["llama3"]
+    family_model(tok, str(tmp_path / "teacher"), arch=FAMILY_ARCH["llama3"])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "docker"}])
+    job = settle(PrecomputeConfig(teacher=str(tmp_path / "teacher"), data=data, out=str(tmp_path / "c"),
+                                  backend="hf"), 0.0)
+    names = set(tok.convert_ids_to_tokens(job.eos_ids))
+    assert {"<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"} <= names
+    assert job.parts["capture"]["eos_token_ids"] == job.eos_ids               # recorded, in the fingerprint
