@@ -45,6 +45,8 @@ class PrecomputeConfig:
     ray_address: str | None = field(None, "existing Ray cluster (default: $RAY_ADDRESS, else a local Ray for the job)")
     trust_remote_code: bool = field(False, "allow model code from the teacher directory to run")
     eos_tokens: list = field([], "extra end-of-turn token strings (YAML only)")
+    text_end: str = field("auto", "token appended to plain-text records: auto = the tokenizer's document-end token "
+                                  "(<|endoftext|>, <|end_of_text|>, </s>, <eos>) where it has one, else its EOS")
     gen_max_new_tokens: int = field(256, "generate mode: maximum new tokens")
     gen_temperature: float = field(1.0, "generate mode: sampling temperature (0 = greedy)")
     gen_top_p: float = field(1.0, "generate mode: nucleus sampling threshold")

@@ -57,9 +57,28 @@ def end_of_turn_ids(tok, extra=()):
     return sorted(ids)
 
 
+DOCUMENT_ENDS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")   # Qwen, Llama 3, Mistral/Llama 2, Gemma
+
+
+def document_end_id(tok, name="auto"):
+    """The token that ends a plain-text record: `name`, or (auto) the tokenizer's document-end token where it
+    has one (an instruct tokenizer's EOS is its turn end, which a document should not end with), else its EOS."""
+    vocab = tok.get_vocab()
+    if name != "auto":
+        if name not in vocab:
+            raise ConfigError(f"text_end: {name!r} is not a token of the tokenizer")
+        return int(vocab[name])
+    found = next((t for t in DOCUMENT_ENDS if t in vocab and t in tok.all_special_tokens), None)
+    if found is not None:
+        return int(vocab[found])
+    if tok.eos_token_id is None:
+        raise ConfigError("text_end: the tokenizer has no document-end or EOS token; name one with --text-end")
+    return int(tok.eos_token_id)
+
+
 class Encoder:
     def __init__(self, tok, *, template="auto", max_length=2048, overlong="truncate", eos_ids=(), mode="score",
-                 drop_end_of_turn=False):
+                 drop_end_of_turn=False, text_end=None):
         self.tok = tok
         self.has_template = bool(getattr(tok, "chat_template", None))
         if template == "chat" and not self.has_template:
@@ -68,6 +87,7 @@ class Encoder:
         self.max_length, self.overlong, self.mode = max_length, overlong, mode
         self.eos_ids = set(eos_ids) or set(end_of_turn_ids(tok))
         self.eos = int(tok.eos_token_id) if tok.eos_token_id is not None else min(self.eos_ids)
+        self.text_end = document_end_id(tok) if text_end is None else int(text_end)
         self.drop_end_of_turn = drop_end_of_turn   # the bug other tools shipped; control experiments only
 
     # -- score mode: whole sequence plus trained spans ---------------------------------
@@ -78,8 +98,8 @@ class Encoder:
             msgs = ex.messages or [{"role": "user", "content": ex.prompt},
                                    {"role": "assistant", "content": ex.completion}]
             ids, spans = chat_spans(self.tok, msgs, self.eos_ids) if self.template == "chat" else self._raw_chat(msgs)
-        else:  # text: every token is a target; EOS appended so the end of a document is learned
-            ids = self.tok(ex.text, add_special_tokens=True)["input_ids"] + [self.eos]
+        else:  # text: every token is a target; the document end appended so the end of a document is learned
+            ids = self.tok(ex.text, add_special_tokens=True)["input_ids"] + [self.text_end]
             spans = [(1, len(ids))]
         positions = span_positions(spans)
         if self.drop_end_of_turn:

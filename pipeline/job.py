@@ -23,7 +23,7 @@ from cache_format.writer import cache_fingerprint, existing_manifest, num_shards
 from . import summary as report
 from .data import iter_records, parse_record
 from .dispatch import RunStats, run_shards, worker_gpus
-from .encode import Encoder, end_of_turn_ids
+from .encode import Encoder, document_end_id, end_of_turn_ids
 from .spool import Spool
 from .teacher import pick_backend
 from .worker import WorkerSpec
@@ -112,10 +112,11 @@ def settle(cfg, t_start):
     model_config = AutoConfig.from_pretrained(cfg.teacher, trust_remote_code=cfg.trust_remote_code)
     cfg = settle_max_length(cfg, model_config)
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.teacher, trust_remote_code=cfg.trust_remote_code)
-    extra = [tok.convert_tokens_to_ids(t) for t in cfg.eos_tokens] + generation_eos_ids(cfg.teacher)
+    text_end = document_end_id(tok, cfg.text_end)
+    extra = [tok.convert_tokens_to_ids(t) for t in cfg.eos_tokens] + generation_eos_ids(cfg.teacher) + [text_end]
     eos_ids = end_of_turn_ids(tok, extra)
     encoder = Encoder(tok, template=cfg.template, max_length=cfg.max_length, overlong=cfg.overlong,
-                      eos_ids=eos_ids, mode=cfg.mode, drop_end_of_turn=cfg.drop_end_of_turn)
+                      eos_ids=eos_ids, mode=cfg.mode, drop_end_of_turn=cfg.drop_end_of_turn, text_end=text_end)
     if cfg.drop_end_of_turn:
         print("WARNING: --drop-end-of-turn leaves out every end-of-turn position (the bug kdcache exists to "
               "prevent); a student trained on this cache will not learn to stop.", file=sys.stderr)
@@ -134,7 +135,7 @@ def settle(cfg, t_start):
 def fingerprint_parts(cfg, tok_identity, eos_ids, backend, dtype):
     capture = {"mode": cfg.mode, "max_length": cfg.max_length, "overlong": cfg.overlong,
                "template": cfg.template, "eos_token_ids": eos_ids, "backend": backend, "dtype": dtype,
-               "on_bad_record": cfg.on_bad_record}
+               "on_bad_record": cfg.on_bad_record, "text_end": cfg.text_end}
     if cfg.drop_end_of_turn:
         capture["drop_end_of_turn"] = True
     if cfg.mode == "generate":
@@ -228,6 +229,7 @@ def run_job(job, spool):
     meta = {"teacher": os.path.basename(os.path.abspath(cfg.teacher)), "dataset": os.path.basename(cfg.data),
             "mode": cfg.mode, "teacher_backend": job.teacher_backend, "dtype": job.dtype,
             "tokenizer": job.tokenizer_id, "records": n_records,
+            "text_end": job.encoder.tok.convert_ids_to_tokens(job.encoder.text_end),
             "skipped": dict(Counter(s["reason"] for s in skipped))}
     writer = CacheWriter(cfg.out, backend=cfg.format, top_k=cfg.top_k, vocab_size=job.vocab_size,
                          eos_token_ids=job.eos_ids, fingerprint_parts=job.parts, shard_size=cfg.shard_size,

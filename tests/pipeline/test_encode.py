@@ -53,7 +53,7 @@ def test_pair_raw_and_text_append_eos(tiny):
     assert tok.decode(targets(enc)) == "docker sql<|im_end|>"
     enc = Encoder(tok).encode(parse_record({"text": "docker and sql"}))
     assert enc.positions[0] == 0 and len(enc.positions) == len(enc.input_ids) - 1
-    assert enc.input_ids[-1] == tok.eos_token_id
+    assert enc.input_ids[-1] == tok.convert_tokens_to_ids("<|endoftext|>")    # the document end, not <|im_end|>
 
 
 def test_truncate_flags_and_drop_skips(tiny):

@@ -106,3 +106,13 @@ def test_the_generation_configs_eos_ids_are_end_of_turn_ids(tokenizers, tmp_path
     names = set(tok.convert_ids_to_tokens(job.eos_ids))
     assert {"<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"} <= names
     assert job.parts["capture"]["eos_token_ids"] == job.eos_ids               # recorded, in the fingerprint
+
+
+@pytest.mark.parametrize("family,end", [("qwen3", "<|endoftext|>"), ("llama3", "<|end_of_text|>"),
+                                        ("gemma", "<eos>"), ("mistral", "</s>"), ("chatml", "<|endoftext|>")])
+def test_a_text_record_ends_with_the_document_end_token(tokenizers, family, end):
+    tok = tokenizers[family]
+    s = Encoder(tok).encode(parse_record({"text": "docker and kubernetes"}))
+    assert tok.convert_ids_to_tokens(int(s.input_ids[-1])) == end and s.positions[-1] == len(s.input_ids) - 2
+    assert int(s.input_ids[-1]) in Encoder(tok).eos_ids or tok.eos_token == end or family in ("qwen3", "chatml",
+                                                                                               "llama3")
