@@ -1,7 +1,7 @@
 """Storage backends: a plain dict from the manifest's `backend` name to the module that stores shards.
 
 A backend module provides (see arrow_backend.py, zarr_backend.py):
-    EXT                 the shard name's extension (shards/shard-00003.EXT)
+    EXT                 the shard name's extension (shards/shard-00003-<tag>.EXT)
     CODECS              the compression codecs it accepts; DEFAULT_CODEC, one of them
     write_shard(path, records, *, top_k, logprob_dtype, codec) -> (bytes, sha256), atomically
     Shard(path, top_k)  a reader: len(), [row], iteration, each row a Record

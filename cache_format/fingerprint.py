@@ -8,8 +8,9 @@ import hashlib
 import json
 import math
 import os
+import stat
 
-from .errors import FingerprintError
+from .errors import FingerprintError, ShardError
 
 CHUNK = 1 << 20
 
@@ -59,12 +60,17 @@ def hash_file(path) -> str:
     return h.hexdigest()
 
 
-def hash_tree(path) -> str:
+def hash_tree(path, *, shard=False) -> str:
     """sha256 over (relative path, file sha256) of every file under path, sorted.
 
     Used both for fingerprints of model directories and for checksums of
-    directory shards (Zarr), so it must not depend on walk order.
+    directory shards (Zarr), so it must not depend on walk order. Model and
+    dataset directories may hold symbolic links (a Hugging Face cache snapshot
+    links to its blobs), so by default links are followed; shard=True refuses
+    anything but plain files and directories (check_shard_tree).
     """
+    if shard:
+        check_shard_tree(path)
     if os.path.isfile(path):
         return hash_file(path)
     if not os.path.isdir(path):
@@ -78,6 +84,51 @@ def hash_tree(path) -> str:
             entries.append([rel, hash_file(full)])
     entries.sort()
     return hash_json(entries)
+
+
+def irregular_entries(path) -> list:
+    """[(relative path, what it is)] of every entry at or under path that is not a plain file or directory.
+
+    os.walk does not enter a linked directory but lists it, so links to directories are found too.
+    """
+    def kind(p):
+        try:
+            mode = os.lstat(p).st_mode
+            if stat.S_ISLNK(mode):
+                return f"a symbolic link (to {os.readlink(p)})"
+        except FileNotFoundError:     # absent (or gone meanwhile): the caller reports a missing shard
+            return None
+        return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else "not a regular file"
+
+    top = kind(path)
+    if top:
+        return [(".", top)]
+    out = []
+    if os.path.isdir(path):
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                full = os.path.join(root, name)
+                what = kind(full)
+                if what:
+                    out.append((os.path.relpath(full, path).replace(os.sep, "/"), what))
+    return sorted(out)
+
+
+def check_shard_tree(path):
+    """ShardError unless the shard at path (a file, or a Zarr group directory) holds only plain files.
+
+    A link inside a shard would make a reader, verify or a checksum read bytes outside the cache
+    (any file the link names), so a shard holding one is refused, never read through.
+    """
+    bad = irregular_entries(path)
+    if bad:
+        rel, what = bad[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        entry = "the shard itself" if rel == "." else f"shard entry {rel!r}"
+        raise ShardError(
+            f"{path}: {entry} is {what}{more}; a shard must hold only regular files and is never "
+            "read through a link. The cache was altered after it was written: restore the shard's files, or "
+            "recompute the cache into a new directory.")
 
 
 def fingerprint(parts: dict) -> str:

@@ -12,9 +12,12 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 
 from .atomic import atomic_write_bytes, crash_point, remove
 from .errors import CacheError, ConflictError
+
+NO_SUCH_ETAG = '"' + "0" * 32 + '"'     # an MD5-shaped ETag no object has: If-Match on it must fail
 
 
 def is_url(path) -> bool:
@@ -32,6 +35,7 @@ class Location:
         self.remote = is_url(where)
         self.storage_options = storage_options or {}
         self._fs = None
+        self._conditional_checked = False
 
     def __repr__(self):
         return f"Location({self.url!r})"
@@ -64,7 +68,7 @@ class Location:
 
     def child(self, rel):
         loc = Location(self.path(rel), self.storage_options)
-        loc._fs = self._fs
+        loc._fs, loc._conditional_checked = self._fs, self._conditional_checked
         return loc
 
     # -- small objects ---------------------------------------------------------------
@@ -85,6 +89,41 @@ class Location:
     def conditional(self):
         """Whether the store itself enforces conditional puts (S3 If-None-Match / If-Match)."""
         return self.protocol in ("s3", "s3a")
+
+    def check_conditional(self):
+        """CacheError unless a store that claims conditional puts really enforces them (checked once).
+
+        s3fs drops keyword arguments the installed botocore does not know, so with an old pair
+        If-None-Match / If-Match vanish silently and every "conditional" write replaces what is there.
+        A probe object under a random dot-name (ignored by readers) is created exclusively, then written
+        again once exclusively and once with a wrong If-Match: both must fail. Stores without conditional
+        puts (memory://, gs://) keep their read-then-write checks and are not probed.
+        """
+        if not self.conditional or self._conditional_checked:
+            return
+        probe = f".kdcache-probe-{uuid.uuid4().hex[:16]}"
+        ignored = []
+        try:
+            self.write_bytes(probe, b"probe\n", exclusive=True)
+            for header, cond in (("If-None-Match", {"exclusive": True}), ("If-Match", {"if_match": NO_SUCH_ETAG})):
+                try:
+                    self.write_bytes(probe, b"must not land\n", **cond)
+                    ignored.append(header)
+                except ConflictError:
+                    pass
+                except OSError as e:       # e.g. 501 NotImplemented: a store that knows no conditions at all
+                    raise CacheError(f"{self.url}: the object store refused a write with {header} ({e}); kdcache "
+                                     "needs conditional writes to lock and commit a cache on it") from e
+        finally:
+            self.remove(probe)
+        if ignored:
+            raise CacheError(
+                f"{self.url}: the object store accepted writes that should have failed their "
+                f"{' and '.join(ignored)} condition, so the writer lock and manifest commits would not be safe. "
+                f"Most likely botocore is too old for these conditions and s3fs silently dropped them "
+                f"({_versions()}): upgrade s3fs and botocore (pip install -U s3fs botocore), or write the cache "
+                "to a local directory.")
+        self._conditional_checked = True
 
     def etag(self, rel):
         """Version tag of a remote object: S3's ETag, elsewhere the sha256 of its bytes. None if absent or local."""
@@ -227,6 +266,18 @@ class Location:
             os.replace(out, local_path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _versions():
+    """'s3fs X, botocore Y' as installed, for error messages."""
+    from importlib.metadata import PackageNotFoundError, version
+    out = []
+    for name in ("s3fs", "botocore"):
+        try:
+            out.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            out.append(f"{name} not installed")
+    return ", ".join(out)
 
 
 def as_location(where):

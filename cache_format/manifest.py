@@ -24,7 +24,8 @@ SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def shard_name(index: int, backend_ext: str, tag: str | None = None) -> str:
-    """shards/shard-00003.arrow; with a writer tag (object stores) shards/shard-00003-1a2b3c4d.arrow."""
+    """shards/shard-00003-1a2b3c4d.arrow with the writing job's tag (every writer has one); without a tag (older
+    caches, single-file tools) shards/shard-00003.arrow."""
     return f"{SHARD_DIR}/shard-{index:05d}{'-' + tag if tag else ''}.{backend_ext}"
 
 

@@ -110,7 +110,7 @@ class Cache:
     def checked_path(self, j):
         """local_path(j) after checking the shard's sha256 against the manifest (ShardError if it fails)."""
         path = self.local_path(j)
-        if self._fetcher is None and hash_tree(path) != self.shards[j]["sha256"]:
+        if self._fetcher is None and hash_tree(path, shard=True) != self.shards[j]["sha256"]:
             raise ShardError(f"{path}: shard {self.shards[j]['index']} fails its sha256 checksum")
         return path
 

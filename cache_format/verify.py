@@ -12,8 +12,8 @@ import numpy as np
 
 from .atomic import disk_bytes, remove
 from .backends import get_backend
-from .errors import CacheError, RecordError
-from .fingerprint import hash_tree
+from .errors import CacheError, RecordError, ShardError
+from .fingerprint import check_shard_tree, hash_tree
 from .location import as_location
 from .manifest import SHARD_DIR, check_shard_path, load_manifest, safe_shard_path
 from .record import check_record, lacks_end_of_turn
@@ -82,11 +82,16 @@ def _verify_shard(loc, m, info, rep, seen_ids, structure, local):
     if not os.path.exists(path):
         rep.problems.append((name, "listed in the manifest but missing"))
         return
+    try:
+        check_shard_tree(path)     # before any size or checksum: both would follow a link out of the cache
+    except ShardError as e:
+        rep.problems.append((name, str(e)))
+        return
     size = disk_bytes(path)
     if size != info["bytes"]:
         rep.problems.append((name, f"size is {size} bytes, the manifest says {info['bytes']} (truncated or replaced)"))
         return
-    if hash_tree(path) != info["sha256"]:
+    if hash_tree(path, shard=True) != info["sha256"]:
         rep.problems.append((name, "sha256 checksum mismatch (the shard's bytes changed after it was committed)"))
         return
     rep.shards_checked += 1

@@ -7,6 +7,7 @@ the manifest. Until committed, a shard file does not exist for readers.
 import os
 import shutil
 import tempfile
+import uuid
 
 from .backends import default_codec, get_backend
 from .errors import ConflictError, FingerprintError, LockedError, ManifestError
@@ -32,8 +33,8 @@ def write_shard_file(directory, index, records, *, backend, top_k, vocab_size,
 
     sample_start/sample_end: the half-open range of dataset record indices this
     shard covers (records skipped as bad leave gaps; they are counted elsewhere).
-    tag: the writing job's id, part of the name on object stores (CacheWriter.shard_tag), so
-    that no upload can ever replace a committed shard object.
+    tag: the writing job's id, part of the name (CacheWriter.shard_tag), so that no write or upload of
+    another job (a stale worker of a killed or displaced job) can ever replace a committed shard.
     """
     mod = get_backend(backend)
     checked = [check_record(r, top_k, vocab_size) for r in records]
@@ -120,8 +121,9 @@ class CacheWriter:
                           logprob_dtype=logprob_dtype, meta=meta, plan=self.plan)
         self._lock = (Lease(self.location, LOCK_NAME, exclusive=True) if self.location.remote
                       else DirLock(self.directory))
-        # Object stores: this job's shards carry its lease id in their names (see write_shard_file).
-        self.shard_tag = self._lock.owner[:8] if self.location.remote else None
+        # This job's shards carry its id in their names (see write_shard_file): its lease id on object
+        # stores, a fresh random one locally, where flock is advisory (and per client on NFS).
+        self.shard_tag = self._lock.owner[:8] if self.location.remote else uuid.uuid4().hex[:8]
         self._etag = None
         self.manifest = None
         self.resumed = False
@@ -131,6 +133,7 @@ class CacheWriter:
             os.makedirs(self.directory, exist_ok=True)
             self._lock.acquire()
         else:   # the new generation must exceed the manifest's too: a released lease object is gone
+            self.location.check_conditional()     # the lease and every commit rely on conditional puts
             self._lock.acquire(after=self._generation_on_store())
         try:
             if self.location.exists(MANIFEST_NAME):
@@ -163,13 +166,17 @@ class CacheWriter:
 
     def _sweep_leftovers(self):
         """Remove what killed writers left (we hold the lock: none is running): temp files of shards
-        written half-way, and on object stores uploaded shards that were never committed."""
+        written half-way and of the manifest, and shards that were never committed (written or uploaded
+        by killed or displaced jobs; each job writes under its own tag, so none of ours is among them)."""
         listed = {s["path"] for s in self.manifest["shards"]}
         for name in self.location.list(SHARD_DIR):
             rel = f"{SHARD_DIR}/{name}"
-            temp = name.startswith(".") and ".tmp-" in name
-            if temp or (self.location.remote and rel not in listed):
+            if rel not in listed:
                 self.location.remove(rel)
+        if not self.location.remote:       # atomic_write_bytes's temp name; object stores have no temp files
+            for name in self.location.list():
+                if name.startswith(f".{MANIFEST_NAME}.tmp-"):
+                    self.location.remove(name)
 
     def _check_same(self, old):
         new = self._init

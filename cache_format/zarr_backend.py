@@ -13,6 +13,7 @@ from zarr.codecs import BloscCodec, ZstdCodec
 
 from .atomic import write_new
 from .errors import ShardError
+from .fingerprint import check_shard_tree
 from .manifest import FORMAT_VERSION
 from .record import Record
 
@@ -82,6 +83,8 @@ class Shard:
 
     def __init__(self, path, top_k):
         self.path = path
+        # Zarr's LocalStore follows links: a linked chunk (c/0 -> /anywhere) would be read as shard data.
+        check_shard_tree(path)
         try:
             g = zarr.open_group(zarr.storage.LocalStore(path, read_only=True), mode="r", zarr_format=3)
             version = g.attrs.get("kdcache_format_version")

@@ -1,4 +1,5 @@
 """The README's snippets that read shards with pyarrow, HF datasets, Polars, DuckDB and zarr-python, run as written."""
+import json
 import os
 import re
 
@@ -31,7 +32,8 @@ def arrow_cache(tmp_path):
     write_cache(tmp_path / "cache", recs, shard_size=12, **writer_kwargs("arrow"))
     # A shard file written by an interrupted job but never committed: the snippets must not read it.
     write_cache(tmp_path / "other", make_records(5, seed=1), shard_size=5, **writer_kwargs("arrow"))
-    os.replace(tmp_path / "other" / "shards" / "shard-00000.arrow", tmp_path / "cache" / "shards" / "shard-00007.arrow")
+    rel = json.loads((tmp_path / "other" / "manifest.json").read_text())["shards"][0]["path"]
+    os.replace(tmp_path / "other" / rel, tmp_path / "cache" / "shards" / "shard-00007.arrow")
     return tmp_path / "cache"
 
 

@@ -118,13 +118,14 @@ def test_input_ids_outside_student_vocab_is_an_error():
 
 def test_damaged_shard_stops_training_or_is_skipped_and_counted(tmp_path):
     from cache_format import ShardError
-    write_cache(tmp_path, make_records(30, seed=6), shard_size=10, **writer_kwargs("arrow"))
-    victim = tmp_path / "shards" / "shard-00001.arrow"
+    manifest = write_cache(tmp_path, make_records(30, seed=6), shard_size=10, **writer_kwargs("arrow"))
+    rel = manifest["shards"][1]["path"]                      # names come from the manifest (job-tagged)
+    victim = tmp_path / rel
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
-    with pytest.raises(ShardError, match="shard-00001.arrow.*--skip-damaged-shards"):
+    with pytest.raises(ShardError, match=f"{victim.name}.*--skip-damaged-shards"):
         order(CacheStream(tmp_path, shuffle=False, epochs=1))
     s = CacheStream(tmp_path, shuffle=False, epochs=1, skip_damaged=True)
     assert order(s) == list(range(10)) + list(range(20, 30))
-    assert s.damaged == {"shards/shard-00001.arrow": 10}
+    assert s.damaged == {rel: 10}
