@@ -43,6 +43,9 @@ class PrecomputeConfig:
     dtype: str = field("auto", "teacher compute dtype: auto = float32 on CPU, bfloat16 on GPU",
                        choices=("auto", "float32", "bfloat16", "float16"))
     ray_address: str | None = field(None, "existing Ray cluster (default: $RAY_ADDRESS, else a local Ray for the job)")
+    ray_pass_credentials: bool = field(False, "with ray_address and a URL --out: copy this shell's AWS_*, GOOGLE_* and "
+                                              "FSSPEC_* variables into the workers' runtime_env, where everyone who "
+                                              "can use the cluster can read them (default: the nodes' own credentials)")
     trust_remote_code: bool = field(False, "allow model code from the teacher directory to run")
     eos_tokens: list = field([], "extra end-of-turn token strings (YAML only)")
     text_end: str = field("auto", "token appended to plain-text records: auto = the tokenizer's document-end token "

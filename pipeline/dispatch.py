@@ -66,9 +66,11 @@ def iter_units(shard_size, spool, todo):
 
 def start_workers(cfg, ray, spec, gpus, n, remote_out):
     opts = dict(num_cpus=cfg.worker_cpus, num_gpus=gpus)
-    creds = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_", "FSSPEC_"))}
-    if cfg.ray_address and remote_out and creds:
-        opts["runtime_env"] = {"env_vars": creds}     # workers on other machines write to the same store
+    if cfg.ray_address and remote_out and cfg.ray_pass_credentials:
+        # Only when asked: a runtime_env is visible to everyone who can use the cluster. By default the
+        # workers on other machines use the credentials those machines have (instance roles, profiles).
+        creds = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_", "FSSPEC_"))}
+        opts["runtime_env"] = {"env_vars": creds}
     actor = ray.remote(TeacherWorker).options(**opts)
     workers = [actor.remote(spec) for _ in range(n)]
     ray.get([w.ready.remote() for w in workers])
