@@ -50,22 +50,18 @@ def _backend_sha256(tok):
 
 
 def diff_identity(cache_id: dict, other_id: dict) -> list:
-    """Human-readable differences that break token-exactness (chat template excluded).
+    """Human-readable differences that break token-exactness: the vocabulary (every token string and its id, the
+    cache's end-of-turn tokens among them) and how text becomes ids (tokenizer.json).
 
-    tokenizer_json_sha256 is compared only when both sides have it: older manifests lack it."""
+    Which token a tokenizer calls its EOS, BOS or pad is not compared: a base student (EOS <|endoftext|>) of an
+    instruct teacher (EOS <|im_end|>) has the same ids for every token, and training uses only ids. The chat
+    template is not compared either. tokenizer_json_sha256 is compared only when both sides have it: older
+    manifests lack it."""
     out = []
     if cache_id["vocab_size"] != other_id["vocab_size"]:
         out.append(f"vocabulary size {cache_id['vocab_size']} in the cache, {other_id['vocab_size']} here")
     elif cache_id["vocab_sha256"] != other_id["vocab_sha256"]:
         out.append("vocabulary (same size, different token strings or ids)")
-    for name, want in cache_id["special_tokens"].items():
-        got = other_id["special_tokens"].get(name)
-        if want != got and want is not None:
-            out.append(f"{name}: {want} in the cache, {got} here")
-    if cache_id["all_special_tokens"] != other_id["all_special_tokens"] and not out:
-        here = {tuple(t) for t in other_id["all_special_tokens"]}
-        missing = {tuple(t) for t in cache_id["all_special_tokens"]} - here
-        out.append(f"special tokens differ (cache has {sorted(missing)[:5]} not found here)")
     # Manifests written before this key existed (or a slow tokenizer) lack it: then nothing to compare.
     want, got = cache_id.get("tokenizer_json_sha256"), other_id.get("tokenizer_json_sha256")
     if want is not None and got is not None and want != got and not out:

@@ -230,6 +230,7 @@ def run_job(job, spool):
             "mode": cfg.mode, "teacher_backend": job.teacher_backend, "dtype": job.dtype,
             "tokenizer": job.tokenizer_id, "records": n_records,
             "text_end": job.encoder.tok.convert_ids_to_tokens(job.encoder.text_end),
+            "chat_template": job.encoder.tok.chat_template if isinstance(job.encoder.tok.chat_template, str) else None,
             "skipped": dict(Counter(s["reason"] for s in skipped))}
     writer = CacheWriter(cfg.out, backend=cfg.format, top_k=cfg.top_k, vocab_size=job.vocab_size,
                          eos_token_ids=job.eos_ids, fingerprint_parts=job.parts, shard_size=cfg.shard_size,

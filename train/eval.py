@@ -51,30 +51,34 @@ def f1(pred, ref):
 
 
 @torch.no_grad()
+def stop_ids(model):
+    """The ids stock generate() stops on: the model's generation config's EOS (an int or a list)."""
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
 def generate(model, tok, chats, max_new_tokens, batch_size):
-    """Greedy completions: [(token ids, ended_with_eos)]."""
+    """Greedy completions as stock generate() makes them (no eos argument): [(token ids, ended_with_eos)]."""
     tok.padding_side = "left"
-    out = []
+    stops, out = stop_ids(model), []
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(stops)
     for i in range(0, len(chats), batch_size):
         prompts = [tok.apply_chat_template(m[:-1], tokenize=False, add_generation_prompt=True)
                    for m in chats[i:i + batch_size]]
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
         for row in gen[:, enc["input_ids"].shape[1]:].tolist():
-            if tok.eos_token_id in row:
-                out.append((row[:row.index(tok.eos_token_id) + 1], True))
-            else:
-                out.append(([t for t in row if t != tok.pad_token_id], False))
+            end = next((j for j, t in enumerate(row) if t in stops), None)
+            out.append((row[:end + 1], True) if end is not None else ([t for t in row if t != pad], False))
     return out
 
 
-def completion_batch(tok, msgs):
+def completion_batch(tok, msgs, stops):
     """(ids, positions) of a chat, positions predicting the answer through its end-of-turn token."""
     head = tok(tok.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True),
                add_special_tokens=False)["input_ids"]
     full = tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)["input_ids"]
-    end = next(j for j in range(len(head), len(full)) if full[j] == tok.eos_token_id)
+    end = next(j for j in range(len(head), len(full)) if full[j] in stops)
     return full, span_positions([(len(head), end + 1)]).tolist()
 
 
@@ -83,7 +87,7 @@ def mean_kl(ref_model, model, tok, chats):
     """Mean per-token KL(reference || model) over every answer position (full vocabulary)."""
     total, n = 0.0, 0
     for msgs in chats:
-        ids, pos = completion_batch(tok, msgs)
+        ids, pos = completion_batch(tok, msgs, stop_ids(ref_model) | stop_ids(model))
         x = torch.tensor([ids])
         lp_r = torch.log_softmax(ref_model(x).logits[0, pos].float(), -1)
         lp_m = torch.log_softmax(model(x).logits[0, pos].float(), -1)

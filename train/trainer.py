@@ -183,6 +183,7 @@ def finish(run, reason, resume_cmd):
             print(f"\n{reason} at step {run.step}; checkpoint saved. Resume with:\n  {resume_cmd}", flush=True)
         return {"step": run.step, "reason": reason}
     final = os.path.join(cfg.out, "final")
+    stops_like_the_teacher(run.engine.module.model, run.tok, stream.cache.manifest)
     save_final(run.engine.module.model, run.tok, final, rank, run.stage)
     if rank == 0:
         curve = plot_loss_curve(cfg.out)
@@ -262,6 +263,20 @@ def save(run):
     checkpoint.save(run.engine, run.cfg.out, run.step, rank=run.rank, world=run.world,
                     client_state={"step": run.step}, rank_state=run.stream.state_dict(), barrier=dist.barrier,
                     keep=run.cfg.keep_checkpoints, plan=run.stream.plan())
+
+
+def stops_like_the_teacher(model, tok, manifest):
+    """Make the saved student stop where the teacher stops (rule 1 at inference, not only in the loss): its
+    generation config's EOS ids become the cache's end-of-turn ids, and its tokenizer gets the teacher's chat
+    template. A base student's own generation config (EOS <|endoftext|>) would never stop at <|im_end|>, which
+    it has just learned to emit, with stock generate() or vLLM."""
+    eos = sorted(int(t) for t in manifest["eos_token_ids"])
+    model.generation_config.eos_token_id = eos
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    template = manifest.get("meta", {}).get("chat_template")
+    if template:
+        tok.chat_template = template
 
 
 def save_final(model, tok, path, rank, stage):

@@ -4,7 +4,8 @@
 2. a tokenizer trained here, ChatML template, `<|im_end|>` = EOS = stop token (Qwen style);
 3. a teacher trained on the task (cached under runs/demo/teacher and reused);
 4. `kdcache precompute` (vLLM backend where it runs) over the train split;
-5. `kdcache train` of a smaller fresh student from the cache alone (sft_alpha = 0);
+5. `kdcache train` of a smaller fresh base-style student (EOS <|endoftext|>, no chat template) from the cache
+   alone (sft_alpha = 0); its final/ stops at <|im_end|> with stock generate(), like the teacher;
 6. the control: the same with --drop-end-of-turn (the bug other tools shipped);
 7. `kdcache eval`: teacher, student and control side by side -> report.md + PNGs.
 Exits non-zero when the bars are missed. Reruns reuse what is built and say so.
@@ -74,14 +75,20 @@ def build_teacher(root, data_dir, p):
 
 
 def student_config(root, teacher, p):
+    """A fresh base-style student, as people distil into: the teacher's vocabulary, but the base model's EOS
+    (<|endoftext|>), a generation config that stops there, and no chat template. kdcache train still trains
+    it from the cache alone, and its final/ stops at <|im_end|> like the teacher (the tokenizer check compares
+    ids, not which token is called EOS; final/ gets the cache's end-of-turn ids and the teacher's template)."""
     from transformers import AutoTokenizer
 
     from .models import make_model
     out = os.path.join(root, "student_init")
     if not os.path.isfile(os.path.join(out, "config.json")):
         tok = AutoTokenizer.from_pretrained(teacher)
+        tok.eos_token, tok.chat_template = "<|endoftext|>", None
         model = make_model(tok, "student" if p is FULL else "test", seed=1)
         model.config.save_pretrained(out)
+        model.generation_config.save_pretrained(out)
         tok.save_pretrained(out)
     return out
 

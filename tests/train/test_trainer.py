@@ -283,3 +283,39 @@ def test_a_one_shard_cache_trains_on_two_ranks(setup, tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rows = losses(out)
     assert [r["step"] for r in rows] == [1, 2] and all(r["positions"] > 0 for r in rows)   # 8 samples: 4 + 4
+
+
+def test_a_base_student_trains_without_flags_and_its_final_stops_like_the_teacher(setup, tmp_path):
+    """The most common pairing: an instruct teacher's cache, a base student (same vocabulary, EOS <|endoftext|>,
+    a generation config that stops there, no chat template). final/ must stop at <|im_end|> with stock generate()."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
+    base = tmp_path / "base"
+    tok = AutoTokenizer.from_pretrained(setup["student"])
+    tok.eos_token, tok.chat_template = "<|endoftext|>", None
+    tok.save_pretrained(base)
+    shutil.copy(setup["student"] / "config.json", base / "config.json")
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id}))
+    out = tmp_path / "o"
+    res = run(train_cmd(dict(setup, student=base), out, "--max-steps", 3, "--batch-size", 2, "--save-every", 0))
+    assert res.returncode == 0, res.stderr[-3000:]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    final = out / "final"
+    assert im_end in json.load(open(final / "generation_config.json"))["eos_token_id"]
+    saved = AutoTokenizer.from_pretrained(final)
+    assert saved.chat_template and "<|im_start|>" in saved.chat_template            # the teacher's template
+
+    class EndAfterTwo(LogitsProcessor):                  # the student "emits" <|im_end|> as its third token
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] == start + 2:
+                scores[:] = float("-inf")
+                scores[:, im_end] = 0.0
+            return scores
+
+    model = AutoModelForCausalLM.from_pretrained(final)
+    prompt = saved.apply_chat_template([{"role": "user", "content": "docker?"}], add_generation_prompt=True,
+                                       return_tensors="pt", return_dict=True)["input_ids"]
+    start = prompt.shape[1]
+    gen = model.generate(prompt, max_new_tokens=20, do_sample=False, logits_processor=[EndAfterTwo()])
+    assert gen.shape[1] == start + 3 and int(gen[0, -1]) == im_end              # stock generate() stopped there
