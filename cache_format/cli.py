@@ -4,7 +4,9 @@ import calendar
 import json
 import time
 
+from .card import CARD
 from .errors import CacheError, ManifestMissing
+from .location import Location
 from .manifest import load_manifest
 from .store import gc, is_store, list_caches
 from .verify import verify_cache
@@ -24,6 +26,8 @@ def inspect_main(argv=None):
     p = _parser("inspect", "Summarize a logit cache: counts, k, backend, fingerprint, bytes per position, and a "
                            "per-shard table.", CACHE)
     p.add_argument("--json", action="store_true", help="print the manifest plus derived figures as JSON")
+    p.add_argument("--card", action="store_true", help="write a dataset card (README.md) into the cache: what it "
+                                                      "holds, its figures, and how to load it")
     args = p.parse_args(argv)
     try:
         m = load_manifest(args.cache)
@@ -38,6 +42,9 @@ def inspect_main(argv=None):
     if args.json:
         print(json.dumps({"manifest": m, "derived": derived}, indent=1, sort_keys=True))
         return 0
+    if args.card:
+        from .card import write_card
+        print(f"wrote {write_card(args.cache)}")
     meta = m.get("meta", {})
     rows = [
         ("cache", args.cache),
@@ -103,6 +110,7 @@ def ls_main(argv=None):
     p.add_argument("--json", action="store_true", help="one JSON object per cache")
     args = p.parse_args(argv)
     entries = list_caches(args.store)
+    cards = {e.name: _card(e) for e in entries}
     if args.json:
         for e in entries:
             m = e.manifest or {}
@@ -110,12 +118,13 @@ def ls_main(argv=None):
                               "fingerprint": m.get("fingerprint"), "meta": m.get("meta"), "top_k": m.get("top_k"),
                               "backend": m.get("backend"), "counts": m.get("counts"), "updated": e.updated,
                               "last_used": e.last_used, "readers": len(e.readers), "writing": e.writing,
-                              "error": e.error}, sort_keys=True))
+                              "error": e.error, "card": cards[e.name]}, sort_keys=True))
         return 0
     if not entries:
         print(f"{args.store}: no caches")
         return 0
-    rows = [("NAME", "STATE", "TEACHER", "DATASET", "K", "BACKEND", "SAMPLES", "SIZE", "UPDATED", "LAST USED", "RUNS")]
+    rows = [("NAME", "STATE", "TEACHER", "DATASET", "K", "BACKEND", "SAMPLES", "SIZE", "UPDATED", "LAST USED", "RUNS",
+             "CARD")]
     for e in entries:
         m = e.manifest or {}
         meta = m.get("meta", {})
@@ -124,11 +133,20 @@ def ls_main(argv=None):
         rows.append((e.name, state, str(meta.get("teacher", "-")), str(meta.get("dataset", "-")),
                      str(m.get("top_k", "-")), m.get("backend", "-"), f"{c.get('samples', 0):,}",
                      f"{c.get('bytes', 0) / 1e6:.1f} MB", _when(e.updated), _when(e.last_used),
-                     f"{len(e.readers)} reading" if e.readers else "-"))
+                     f"{len(e.readers)} reading" if e.readers else "-",
+                     f"{e.name}/{CARD}" if cards[e.name] else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
     return 0
+
+
+def _card(entry):
+    """URL of the cache's dataset card (kdcache inspect --card), or None; never read through a link."""
+    if entry.link is not None:
+        return None
+    loc = Location(entry.url)
+    return loc.path(CARD) if loc.exists(CARD) else None
 
 
 def parse_age(text):

@@ -33,11 +33,13 @@ class Batch:
 
     def to(self, device):
         """The batch with every tensor on `device`."""
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in moved.items():
-            if isinstance(value, torch.Tensor):
-                moved[name] = value.to(device, non_blocking=True)
-        return Batch(**moved)
+        return Batch(**{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                        for k, v in self.as_dict().items()})
+
+    def as_dict(self):
+        """The fields as a plain dict (no copies), for loops that want a mapping (Hugging Face Trainer,
+        Accelerate); Batch(**d) rebuilds the batch."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def pack_rows(lengths, pack_len):

@@ -22,13 +22,15 @@ from kdcache.batching import budget_groups
 
 class CacheStream:
     def __init__(self, cache_dir, *, rank=0, world=1, seed=0, shuffle=True, batch_size=8, max_tokens=0,
-                 prefetch=2, epochs=None, skip_damaged=False, track_use=False, readahead=READ_AHEAD):
+                 prefetch=2, epochs=None, skip_damaged=False, track_use=False, readahead=READ_AHEAD, part=(0, 1)):
+        """part (i, n): read only every n-th segment of this rank's span from the i-th (a DataLoader worker's
+        disjoint share: whole shards, never split between workers)."""
         self.cache = open_cache(cache_dir, track_use=track_use)
         if len(self.cache) < world:
             self.cache.close()
             raise TrainDataError(f"{cache_dir}: {len(self.cache)} sample(s) cannot feed {world} ranks (each rank "
                                  "needs at least one per epoch)")
-        self.rank, self.world, self.seed, self.shuffle = rank, world, seed, shuffle
+        self.rank, self.world, self.seed, self.shuffle, self.part = rank, world, seed, shuffle, part
         self.batch_size, self.max_tokens, self.prefetch, self.epochs = batch_size, max_tokens, prefetch, epochs
         self.state = {"epoch": 0, "shard_cursor": 0, "row_cursor": 0}
         self.skip_damaged = skip_damaged
@@ -49,7 +51,7 @@ class CacheStream:
             if a < b:
                 out.append((int(j), self.rows_for(epoch, j)[a - start:b - start]))
             start += size
-        return out
+        return out[self.part[0]::self.part[1]]
 
     def span(self):
         """[lo, hi): this rank's share of each epoch's global order."""

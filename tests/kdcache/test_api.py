@@ -1,0 +1,107 @@
+"""The public API (import kdcache): lazy torch, the dataset's order, split and resume, the loss functions."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from cache_format import write_cache
+from tests.helpers.cli import ROOT
+from tests.helpers.records import make_records, writer_kwargs
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("api")
+    write_cache(d, make_records(53, seed=3), shard_size=8, **writer_kwargs("arrow"))       # 7 shards
+    return str(d)
+
+
+def test_importing_kdcache_does_not_import_torch_until_a_torch_name_is_used():
+    code = ("import sys, kdcache; assert 'torch' not in sys.modules; kdcache.open_cache; kdcache.Record; "
+            "assert 'torch' not in sys.modules, 'open_cache pulled torch'; kdcache.kd_loss; "
+            "assert 'torch' in sys.modules; print(sorted(kdcache.__all__))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == str(["Batch", "CacheDataset", "LossConfig", "Record", "collate", "kd_loss",
+                                      "kd_loss_chunked", "open_cache"])
+
+
+def test_help_shows_the_api():
+    import pydoc
+
+    import kdcache
+    text = pydoc.render_doc(kdcache)
+    for name in kdcache.__all__:
+        assert name in text
+    assert set(dir(kdcache)) == set(kdcache.__all__)
+
+
+def ids(dataset):
+    return [r.sample_id for r in dataset]
+
+
+def test_the_dataset_is_every_sample_once_per_epoch_split_over_ranks(cache_dir):
+    import kdcache
+    one = ids(kdcache.CacheDataset(cache_dir, seed=1, epochs=2))
+    assert sorted(one[:53]) == sorted(one[53:]) == list(range(53)) and one[:53] != one[53:]
+    parts = [ids(kdcache.CacheDataset(cache_dir, seed=1, rank=r, world_size=3)) for r in range(3)]
+    assert [i for p in parts for i in p] == one[:53]                       # contiguous spans of one order
+
+
+def tag_with_worker(record):
+    return record, torch.utils.data.get_worker_info().id
+
+
+def test_dataloader_workers_read_disjoint_shards(cache_dir):
+    import kdcache
+    cache = kdcache.open_cache(cache_dir)
+    shard_of = {r.sample_id: j for j in range(cache.num_shards) for r in cache.iter_shard(j)}
+    loader = torch.utils.data.DataLoader(kdcache.CacheDataset(cache, seed=2), batch_size=None, num_workers=2,
+                                         collate_fn=tag_with_worker)
+    seen = list(loader)
+    assert sorted(r.sample_id for r, _ in seen) == list(range(53))         # every sample once, none twice
+    by_worker = [set(), set()]
+    for r, worker in seen:
+        by_worker[worker].add(shard_of[r.sample_id])
+    assert by_worker[0] and by_worker[1] and not by_worker[0] & by_worker[1]
+
+
+def test_state_dict_resumes_exactly(cache_dir):
+    import kdcache
+    full = ids(kdcache.CacheDataset(cache_dir, seed=3, epochs=2))
+    for cut in (1, 8, 30, 80):
+        ds = kdcache.CacheDataset(cache_dir, seed=3, epochs=2)
+        it = iter(ds)
+        head = [next(it).sample_id for _ in range(cut)]
+        state = ds.state_dict()
+        again = kdcache.CacheDataset(cache_dir, seed=3, epochs=2)
+        again.load_state_dict(state)
+        assert head + ids(again) == full
+
+
+def test_kd_loss_is_the_trainers_loss_mean_and_chunked_agrees(cache_dir):
+    import kdcache
+    from train.losses import LossConfig, kd_loss_from_logits
+    recs = list(kdcache.open_cache(cache_dir))[:4]
+    b = kdcache.collate(recs, pad_id=0, student_vocab=300)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(*b.input_ids.shape, 16, generator=g, requires_grad=True)       # (R, T, H)
+    head = torch.nn.Linear(16, 300, bias=False)
+    logits = head(hidden)                                                              # (R, T, V)
+    loss = kdcache.kd_loss(logits, b, beta=0.5, temperature=2.0, sft_alpha=0.1)
+    at = logits[b.batch_index, b.positions]
+    want, _ = kd_loss_from_logits(at, b.topk_ids, b.topk_logprobs, b.tail_mass, b.targets,
+                                  LossConfig(beta=0.5, temperature=2.0, sft_alpha=0.1))
+    torch.testing.assert_close(loss, want / b.n_positions)
+    torch.testing.assert_close(kdcache.kd_loss(at, b, beta=0.5, temperature=2.0, sft_alpha=0.1), loss)
+    chunked = kdcache.kd_loss_chunked(hidden, head, b, beta=0.5, temperature=2.0, sft_alpha=0.1, chunk_size=5)
+    torch.testing.assert_close(chunked, loss, rtol=1e-5, atol=1e-6)
+    g1 = torch.autograd.grad(loss, hidden)[0]
+    g2 = torch.autograd.grad(kdcache.kd_loss_chunked(hidden, head, b, beta=0.5, temperature=2.0, sft_alpha=0.1,
+                                                     chunk_size=5), hidden)[0]
+    torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
+    assert np.isfinite(float(loss.detach()))

@@ -1,0 +1,57 @@
+"""kdcache.kd_loss and kdcache.kd_loss_chunked: the trainer's loss for any training loop.
+
+The mean over the batch's trained positions of the per-position loss `kdcache train` uses (train/losses.py):
+generalized JSD (beta 0: forward KL(T || S), 1: reverse KL(S || T)) over the teacher's top-k plus a tail
+bucket (tail="tail") or renormalised over the top-k (tail="renorm"), temperature tau (loss times tau^2),
+plus sft_alpha times the cross-entropy of the cached targets.
+"""
+import torch
+
+from .batch import Batch
+from .losses import LossConfig, chunked_kd_loss, kd_loss_from_logits
+
+
+def _at_positions(x, batch):
+    """(N, ...) rows of x at the batch's trained positions: x is (R, T, ...) per token, or already (N, ...)."""
+    return x[batch.batch_index, batch.positions] if x.dim() == 3 else x
+
+
+def kd_loss(logits: torch.Tensor, batch: Batch, *, beta=0.0, temperature=1.0, tail="tail", sft_alpha=0.0,
+            reduction="mean"):
+    """The distillation loss of the student's logits against the cached teacher.
+
+    logits: (R, T, V) as the model returns them for batch.input_ids, or (N, V) at the trained positions.
+    reduction: "mean" over the N positions (0 when N is 0) or "sum" (the trainer divides sums by the number
+    of positions of the whole optimizer step, across accumulation and ranks).
+    """
+    cfg = LossConfig(beta=beta, temperature=temperature, tail=tail, sft_alpha=sft_alpha)
+    loss, _ = kd_loss_from_logits(_at_positions(logits, batch), batch.topk_ids.to(logits.device),
+                                  batch.topk_logprobs.to(logits.device), batch.tail_mass.to(logits.device),
+                                  batch.targets.to(logits.device), cfg)
+    return _reduce(loss, batch, reduction)
+
+
+def kd_loss_chunked(hidden: torch.Tensor, lm_head: torch.nn.Module, batch: Batch, *, beta=0.0, temperature=1.0,
+                    tail="tail", sft_alpha=0.0, chunk_size=1024, logit_transform=None, reduction="mean"):
+    """kd_loss of lm_head(hidden), fused and chunked: at most one [chunk_size, V] block of float32 logits exists
+    at a time, in the forward pass and the backward (the gradient is taken chunk by chunk in the forward).
+
+    hidden: (R, T, H) final hidden states (the model's `.model(...).last_hidden_state`) or (N, H).
+    lm_head: the model's output layer (weight (V, H), optional bias). logit_transform: what the model's forward
+    applies after lm_head (see kdcache.heads.logit_transform(model.config): Gemma 2 soft-capping, Cohere and
+    Granite scaling), or None.
+    """
+    cfg = LossConfig(beta=beta, temperature=temperature, tail=tail, sft_alpha=sft_alpha, chunk_size=chunk_size)
+    dev = hidden.device
+    loss, _ = chunked_kd_loss(_at_positions(hidden, batch), lm_head.weight, batch.topk_ids.to(dev),
+                              batch.topk_logprobs.to(dev), batch.tail_mass.to(dev), batch.targets.to(dev), cfg,
+                              lm_head_bias=getattr(lm_head, "bias", None), logit_transform=logit_transform)
+    return _reduce(loss, batch, reduction)
+
+
+def _reduce(loss_sum, batch, reduction):
+    if reduction == "sum":
+        return loss_sum
+    if reduction != "mean":
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    return loss_sum / max(batch.n_positions, 1)
