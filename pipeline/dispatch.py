@@ -110,13 +110,14 @@ def run_shards(cfg, writer, spool, todo, spec, gpus, n_records, bar):
                 bar.update(res["info"]["num_samples"])
                 bar.set_postfix(tok_s=f"{stats.tokens / (time.perf_counter() - t0):,.0f}",
                                 shards=f"{len(writer.manifest['shards'])}/{writer.manifest['num_shards_planned']}")
+        stats.loop_s = time.perf_counter() - t0      # the last commit: Ray's shutdown below is not scoring
     finally:
         for w in workers:
             ray.kill(w)
         if not (cfg.ray_address or os.environ.get("RAY_ADDRESS")):
             ray.shutdown()     # while our handlers stand: Ray's own SIGTERM handler would exit mid-shutdown
         flag.restore()
-    stats.loop_s, stats.stopped = time.perf_counter() - t0, bool(flag)
+    stats.stopped = bool(flag)
     return stats
 
 
