@@ -2,12 +2,11 @@
 
     python examples/hf_trainer.py --cache CACHE --student STUDENT_DIR --out OUT [--steps 20] [--no-shuffle]
 """
-import argparse
 import json
 import os
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+from common import fresh_student, parse_args, to_inputs
+from transformers import Trainer, TrainingArguments
 
 import kdcache
 
@@ -26,32 +25,17 @@ class KDTrainer(Trainer):
         return (loss, out) if return_outputs else loss
 
 
-def to_inputs(batch):
-    """What the Trainer sees: input_ids (Accelerate sizes and shards batches by their first tensor; tensors of
-    another length, like the N trained positions, would be cut) and the whole kdcache.Batch as one object."""
-    return {"input_ids": batch.input_ids, "batch": batch}
+def training_args(args, **extra):
+    return dict(output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
+                learning_rate=args.lr, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                report_to=[], use_cpu=True, dataloader_num_workers=0, **extra)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cache", required=True)
-    p.add_argument("--student", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--no-shuffle", dest="shuffle", action="store_false")
-    args = p.parse_args()
-
-    tok = AutoTokenizer.from_pretrained(args.student)
-    torch.manual_seed(0)                       # the same initial student as `kdcache train --seed 0`
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.student), dtype=torch.float32)
-    vocab = model.get_input_embeddings().weight.shape[0]
+    args = parse_args(__doc__)
+    model, tok, vocab = fresh_student(args.student)
     trainer = KDTrainer(
-        model=model,
-        args=TrainingArguments(output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
-                               learning_rate=args.lr, lr_scheduler_type="constant", logging_steps=1,
-                               save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0),
+        model=model, args=TrainingArguments(**training_args(args)),
         train_dataset=kdcache.CacheDataset(args.cache, shuffle=args.shuffle, seed=0, epochs=None),
         data_collator=lambda records: to_inputs(kdcache.collate(records, pad_id=tok.pad_token_id or 0,
                                                                 student_vocab=vocab)),

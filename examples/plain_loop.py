@@ -1,33 +1,18 @@
 """Distil a student from a kdcache cache in a plain PyTorch loop.
 
     python examples/plain_loop.py --cache CACHE --student STUDENT_DIR --out OUT [--steps 20]
-
-STUDENT_DIR holds a config.json (a fresh student) or weights, and the teacher's tokenizer.
 """
-import argparse
-
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from common import fresh_student, parse_args
 
 import kdcache
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cache", required=True)
-    p.add_argument("--student", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    args = p.parse_args()
-
-    tok = AutoTokenizer.from_pretrained(args.student)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.student), dtype=torch.float32)
-    vocab = model.get_input_embeddings().weight.shape[0]
+    args = parse_args(__doc__)
+    model, tok, vocab = fresh_student(args.student)
     data = torch.utils.data.DataLoader(
-        kdcache.CacheDataset(args.cache, shuffle=True, seed=0, epochs=None), batch_size=args.batch_size,
+        kdcache.CacheDataset(args.cache, shuffle=args.shuffle, seed=0, epochs=None), batch_size=args.batch_size,
         collate_fn=lambda records: kdcache.collate(records, pad_id=tok.pad_token_id or 0, student_vocab=vocab))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
