@@ -236,9 +236,10 @@ def test_resume_with_another_shard_size_is_refused_and_loses_nothing(mixed, tmp_
     assert verify_cache(tmp_path / "c").ok
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_a_signal_to_the_whole_process_group_stops_cleanly_and_the_rerun_resumes(tiny, tmp_path, sig):
-    """A batch scheduler or a closed terminal signals the driver and Ray's processes at once."""
+def test_a_signal_to_the_whole_process_group_stops_cleanly_and_the_rerun_resumes(tiny, tmp_path):
+    """A batch scheduler signals the driver and Ray's processes at once (SIGHUP, a closed terminal, takes the
+    same path: make chaos runs both)."""
+    sig = signal.SIGTERM
     data = write_jsonl(tmp_path / "d.jsonl", tiny["train"] * 3)                  # 360 records, 60 shards
     common = ["--teacher", tiny["teacher"], "--data", data, "--backend", "hf", "--top-k", 16, "--shard-size", 6]
     out = tmp_path / "c"
