@@ -61,15 +61,17 @@ class Spool:
         with pa.memory_map(self.path) as src:
             for batch in pa.ipc.open_stream(src):
                 sid, trunc = batch.column(0).to_pylist(), batch.column(3).to_pylist()
-                ids, pos = batch.column(1), batch.column(2)
+                ids, pos = _rows(batch.column(1)), _rows(batch.column(2))
                 for r in range(batch.num_rows):
-                    yield Sample(sid[r], _values(ids, r), _values(pos, r), trunc[r])
+                    yield Sample(sid[r], ids[r], pos[r], trunc[r])
 
     def delete(self):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _values(col, r):
-    """Row r of a list<int32> column as an int32 array (a copy: the memory map closes after iteration)."""
-    lo, hi = col.offsets[r].as_py(), col.offsets[r + 1].as_py()
-    return col.values.slice(lo, hi - lo).to_numpy(zero_copy_only=False).astype(np.int32, copy=True)
+def _rows(col):
+    """Every row of a list<int32> column as an int32 array: one conversion per batch, not per row (a copy: the
+    memory map closes after iteration)."""
+    offsets = col.offsets.to_numpy()
+    values = col.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=True)
+    return [values[offsets[r]:offsets[r + 1]] for r in range(len(col))]
