@@ -1,71 +1,62 @@
 """Arrow IPC backend: one IPC *file* (random-access format) per shard.
 
-Nested list columns, so plain pyarrow, HF datasets, DuckDB and Polars can read
-a shard without kdcache. Layout in SPEC.md section "Arrow backend".
+List columns, one row per sample, so plain pyarrow, HF datasets, DuckDB and Polars can read
+a shard without kdcache. Layout in SPEC.md section "Arrow backend"; format 1 shards stay readable.
 """
 import numpy as np
 import pyarrow as pa
 
+from . import layout
 from .atomic import write_new
+from .compact import VALUE_DTYPES, id_dtype_of
 from .errors import ShardError
-from .manifest import FORMAT_VERSION
-from .record import Record
+from .manifest import FORMAT_VERSION, READS_VERSIONS
 
 EXT = "arrow"
 CODECS = ("lz4", "zstd", "none")
 DEFAULT_CODEC = "zstd"       # the smallest in bench/storage.py
 ROWS_PER_BATCH = 256
+ARROW_TYPES = {np.dtype(np.int32): pa.int32(), np.dtype(np.uint16): pa.uint16(), np.dtype(np.uint8): pa.uint8(),
+               np.dtype(np.float32): pa.float32(), np.dtype(np.float16): pa.float16()}
+# (column, numpy dtype or None where the shard decides it, which offsets index it)
+COLUMNS = (("input_ids", np.int32, "token_offsets"), ("positions", np.int32, "position_offsets"),
+           ("topk_counts", np.uint16, "position_offsets"), ("tail_mass", np.float32, "position_offsets"),
+           ("target_logprobs", np.float32, "position_offsets"), ("topk_ids", None, "entry_offsets"),
+           ("topk_values", None, "entry_offsets"))
 
 
-def schema(top_k, logprob_dtype):
-    lp = pa.float16() if logprob_dtype == "float16" else pa.float32()
-    return pa.schema([
-        ("sample_id", pa.int64()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("positions", pa.list_(pa.int32())),
-        ("topk_ids", pa.list_(pa.list_(pa.int32(), top_k))),
-        ("topk_logprobs", pa.list_(pa.list_(lp, top_k))),
-        ("tail_mass", pa.list_(pa.float32())),
-        ("truncated", pa.bool_()),
-    ], metadata={"kdcache.format_version": str(FORMAT_VERSION), "kdcache.top_k": str(top_k),
-                 "kdcache.rows_per_batch": str(ROWS_PER_BATCH)})
+def schema(top_k, logprob_dtype, id_dtype):
+    shard = {"topk_ids": np.dtype(id_dtype), "topk_values": np.dtype(VALUE_DTYPES[logprob_dtype])}
+    return pa.schema(
+        [("sample_id", pa.int64()), ("truncated", pa.bool_())] +
+        [(name, pa.list_(ARROW_TYPES[np.dtype(dt or shard[name])])) for name, dt, _ in COLUMNS],
+        metadata={"kdcache.format_version": str(FORMAT_VERSION), "kdcache.top_k": str(top_k),
+                  "kdcache.rows_per_batch": str(ROWS_PER_BATCH), "kdcache.logprob_dtype": logprob_dtype})
 
 
-def _list(arrays, dtype, k=None):
-    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    flat = np.concatenate(arrays).astype(dtype, copy=False).reshape(-1)
-    values = pa.array(flat)
-    if k is not None:
-        values = pa.FixedSizeListArray.from_arrays(values, k)
-    return pa.ListArray.from_arrays(pa.array(offsets), values)
-
-
-def _batch(records, sch, top_k, np_lp):
-    return pa.record_batch([
-        pa.array([r.sample_id for r in records], pa.int64()),
-        _list([r.input_ids for r in records], np.int32),
-        _list([r.positions for r in records], np.int32),
-        _list([r.topk_ids for r in records], np.int32, top_k),
-        _list([r.topk_logprobs for r in records], np_lp, top_k),
-        _list([r.tail_mass for r in records], np.float32),
-        pa.array([r.truncated for r in records], pa.bool_()),
-    ], schema=sch)
+def _batch(cols: layout.Columns, sch):
+    entry = cols.entry_offsets
+    arrays = [pa.array(cols.sample_id, pa.int64()), pa.array(cols.truncated, pa.bool_())]
+    for name, _, off in COLUMNS:
+        offsets = entry if off == "entry_offsets" else getattr(cols, off)
+        arrays.append(pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(getattr(cols, name))))
+    return pa.record_batch(arrays, schema=sch)
 
 
 def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_CODEC):
     """Write checked records to `path` atomically. Returns (bytes, sha256)."""
     if codec not in CODECS:
         raise ShardError(f"{path}: arrow codec must be one of {CODECS}, got {codec!r}")
-    sch = schema(top_k, logprob_dtype)
-    np_lp = np.float16 if logprob_dtype == "float16" else np.float32
+    id_dtype = id_dtype_of(records)
+    sch = schema(top_k, logprob_dtype, id_dtype)
     opts = pa.ipc.IpcWriteOptions(compression=None if codec == "none" else codec)
 
     def fill(tmp):
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, sch, options=opts) as w:
             for i in range(0, len(records), ROWS_PER_BATCH):
-                w.write_batch(_batch(records[i:i + ROWS_PER_BATCH], sch, top_k, np_lp))
+                cols = layout.encode(records[i:i + ROWS_PER_BATCH], top_k=top_k, logprob_dtype=logprob_dtype,
+                                     id_dtype=id_dtype)
+                w.write_batch(_batch(cols, sch))
 
     return write_new(path, fill)
 
@@ -74,21 +65,23 @@ class Shard:
     """Reads one shard; decodes one record batch at a time (kept until the next is needed)."""
 
     def __init__(self, path, top_k):
-        self.path = path
+        self.path, self.top_k = path, top_k
         try:
             self._file = pa.ipc.open_file(pa.memory_map(path, "r"))
         except (OSError, pa.ArrowInvalid) as e:
             raise ShardError(f"{path}: cannot open as an Arrow IPC file ({e})") from e
         meta = self._file.schema.metadata or {}
         version = meta.get(b"kdcache.format_version", b"").decode()
-        if version != str(FORMAT_VERSION):
+        if version not in map(str, READS_VERSIONS):
             raise ShardError(f"{path}: shard format version {version or 'missing'!r}, this reader reads "
-                             f"{FORMAT_VERSION}; upgrade kdcache or re-run precompute")
-        got_k = self._file.schema.field("topk_ids").type.value_type.list_size
+                             f"{'/'.join(map(str, READS_VERSIONS))}; upgrade kdcache or re-run precompute")
+        self.version = int(version)
+        got_k = int(meta.get(b"kdcache.top_k", b"0"))
         if got_k != top_k:
             raise ShardError(f"{path}: top_k is {got_k} in the shard but {top_k} in the manifest")
+        self.logprob_dtype = _logprob_dtype(self._file.schema, meta, self.version)
         # Every batch but the last holds exactly rows_per_batch rows (SPEC.md).
-        rpb = int(self._file.schema.metadata[b"kdcache.rows_per_batch"])
+        rpb = int(meta[b"kdcache.rows_per_batch"])
         nb = self._file.num_record_batches
         last = self._file.get_record_batch(nb - 1).num_rows if nb else 0
         self._starts = [b * rpb for b in range(nb)] + [max(nb - 1, 0) * rpb + last]
@@ -101,56 +94,75 @@ class Shard:
         if self._cached[0] != b:
             try:
                 batch = self._file.get_record_batch(b)
+                cols = _columns(batch) if self.version >= 2 else _columns_v1(batch, self.top_k)
             except (OSError, pa.ArrowInvalid) as e:
                 raise ShardError(f"{self.path}: record batch {b} is unreadable ({e})") from e
-            self._cached = (b, _decode(batch))
+            self._cached = (b, layout.Decoded(cols, top_k=self.top_k, logprob_dtype=self.logprob_dtype))
         return self._cached[1]
 
     def __getitem__(self, row):
         if not 0 <= row < len(self):
             raise IndexError(f"{self.path}: row {row} out of range [0, {len(self)})")
         b = int(np.searchsorted(self._starts, row, side="right")) - 1
-        return _row(self._decoded(b), row - self._starts[b])
+        return self._decoded(b).record(row - self._starts[b])
 
     def __iter__(self):
         for b in range(len(self._starts) - 1):
-            cols = self._decoded(b)
-            for r in range(self._starts[b + 1] - self._starts[b]):
-                yield _row(cols, r)
+            dec = self._decoded(b)
+            for r in range(len(dec)):
+                yield dec.record(r)
+
+
+def _logprob_dtype(sch, meta, version):
+    if version >= 2:
+        return meta.get(b"kdcache.logprob_dtype", b"").decode()
+    return "float16" if sch.field("topk_logprobs").type.value_type.value_type == pa.float16() else "float32"
 
 
 def _flat(col):
-    """(offsets int64 [n+1], values ndarray) of a list column, zero-copy where possible."""
+    """(offsets int64 [n+1] from 0, values ndarray) of a list column, zero-copy where possible."""
     offsets = np.asarray(col.offsets, dtype=np.int64)
-    values = col.values
-    if pa.types.is_fixed_size_list(values.type):
+    values = col.values.slice(offsets[0], offsets[-1] - offsets[0])
+    if pa.types.is_fixed_size_list(values.type):          # format 1's [k] rows
         k = values.type.list_size
-        base = values.values.slice(values.offset * k, len(values) * k)
-        arr = base.to_numpy(zero_copy_only=False).reshape(-1, k)
+        arr = values.values.slice(values.offset * k, len(values) * k).to_numpy(zero_copy_only=False)
     else:
         arr = values.to_numpy(zero_copy_only=False)
     return offsets - offsets[0], arr
 
 
-def _decode(batch):
-    cols = {name: _flat(batch.column(name)) for name in
-            ("input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass")}
-    cols["sample_id"] = batch.column("sample_id").to_numpy()
-    cols["truncated"] = batch.column("truncated").to_numpy(zero_copy_only=False)
-    return cols
+def _columns(batch):
+    got = {name: _flat(batch.column(name)) for name, _, _ in COLUMNS}
+    return layout.Columns(
+        sample_id=batch.column("sample_id").to_numpy(), truncated=batch.column("truncated").to_numpy(zero_copy_only=False),
+        token_offsets=got["input_ids"][0], position_offsets=got["positions"][0],
+        **{name: vals for name, (_, vals) in got.items()})
 
 
-def _row(cols, r):
-    def take(name):
-        off, vals = cols[name]
-        return vals[off[r]:off[r + 1]]
+def _columns_v1(batch, top_k):
+    """Format 1: fixed [k] rows, no counts, no target log-probs."""
+    got = {name: _flat(batch.column(name)) for name in ("input_ids", "positions", "topk_ids", "topk_logprobs",
+                                                          "tail_mass")}
+    P = len(got["positions"][1])
+    return layout.Columns(
+        sample_id=batch.column("sample_id").to_numpy(), truncated=batch.column("truncated").to_numpy(zero_copy_only=False),
+        token_offsets=got["input_ids"][0], input_ids=got["input_ids"][1], position_offsets=got["positions"][0],
+        positions=got["positions"][1], topk_counts=np.full(P, top_k, np.uint16), tail_mass=got["tail_mass"][1],
+        target_logprobs=np.full(P, np.nan, np.float32), topk_ids=got["topk_ids"][1],
+        topk_values=got["topk_logprobs"][1])
 
-    return Record(
-        sample_id=int(cols["sample_id"][r]),
-        input_ids=take("input_ids"),
-        positions=take("positions"),
-        topk_ids=take("topk_ids"),
-        topk_logprobs=take("topk_logprobs").astype(np.float32),
-        tail_mass=take("tail_mass"),
-        truncated=bool(cols["truncated"][r]),
-    )
+
+def field_bytes(path, codec=DEFAULT_CODEC):
+    """{column: bytes}: each column of the shard written alone, in the shard's batches and codec (IPC files
+    do not expose compressed sizes; a column's own file differs from its share by a few hundred bytes)."""
+    table = pa.ipc.open_file(pa.memory_map(path, "r")).read_all()
+    opts = pa.ipc.IpcWriteOptions(compression=None if codec == "none" else codec)
+    out = {}
+    for name in table.column_names:
+        part = table.select([name])
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, part.schema, options=opts) as w:
+            for batch in part.to_batches(max_chunksize=ROWS_PER_BATCH):
+                w.write_batch(batch)
+        out[name] = sink.tell()
+    return out

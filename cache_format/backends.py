@@ -5,6 +5,7 @@ A backend module provides (see arrow_backend.py, zarr_backend.py):
     CODECS              the compression codecs it accepts; DEFAULT_CODEC, one of them
     write_shard(path, records, *, top_k, logprob_dtype, codec) -> (bytes, sha256), atomically
     Shard(path, top_k)  a reader: len(), [row], iteration, each row a Record
+    field_bytes(path, codec) -> {field: bytes}, for `kdcache inspect`
 Adding a backend is one module plus one line here; SPEC.md section 4 gets its byte layout.
 """
 from . import arrow_backend, zarr_backend

@@ -6,11 +6,12 @@ not part of the format (SPEC.md): readers ignore it.
 """
 from .backends import default_codec
 from .location import as_location
-from .manifest import load_manifest
+from .manifest import fidelity_text, load_manifest, teacher_ce_text
 
 CARD = "README.md"
 FIDELITY = {"float16": "float16 (about 3 significant digits; |error| <= 2^-11 relative)",
-            "float32": "float32 (as the teacher computed them)"}
+            "float32": "float32 (as the teacher computed them)",
+            "sqrt8": "sqrt8 (sqrt(p) in 255 steps; |error in sqrt(p)| <= 1/510)"}
 
 
 def card_text(m, where):
@@ -31,6 +32,9 @@ def card_text(m, where):
         ("end-of-turn ids", m["eos_token_ids"]),
         ("storage", f"{m['backend']} shards, codec {codec}"),
         ("log-probs", FIDELITY.get(m["logprob_dtype"], m["logprob_dtype"]) + "; tail mass float32"),
+        ("entries per position", f"top-p {m['top_p']}, at most {m['top_k']}" if m.get("top_p") else m["top_k"]),
+        ("stored fidelity", fidelity_text(m)),
+        ("teacher on the data", teacher_ce_text(m)),
         ("samples", f"{c['samples']:,}"),
         ("tokens", f"{c['tokens']:,} ({c['positions']:,} trained positions)"),
         ("size", f"{c['bytes'] / 1e6:.2f} MB ({c['bytes'] / max(c['positions'], 1):.1f} B per trained position)"),
@@ -87,13 +91,22 @@ ds = datasets.load_dataset("arrow", data_files=shards, split="train")
 import duckdb
 import pyarrow as pa
 import pyarrow.dataset as pads
-schema = pads.dataset(shards, format="ipc").schema      # DuckDB has no float16: read log-probs as float32
-i = schema.get_field_index("topk_logprobs")
-k = schema.field(i).type.value_type.list_size
-f32 = pa.field("topk_logprobs", pa.list_(pa.list_(pa.float32(), k)))
+{_duckdb_schema(m)}
 d = pads.dataset(shards, format="ipc", schema=schema.set(i, f32))
 print(duckdb.sql("SELECT count(*), sum(len(positions)) FROM d").fetchall())
 ```"""
+
+
+def _duckdb_schema(m):
+    """Lines that build `schema`, `i` and `f32`: DuckDB has no float16, so float16 log-probs are read as float32."""
+    head = 'schema = pads.dataset(shards, format="ipc").schema      # DuckDB has no float16: read as float32\n'
+    if m["format_version"] == 1:
+        return head + """i = schema.get_field_index("topk_logprobs")
+k = schema.field(i).type.value_type.list_size
+f32 = pa.field("topk_logprobs", pa.list_(pa.list_(pa.float32(), k)))"""
+    column = "topk_values"        # format 2: flat per sample, topk_counts entries per position (SPEC.md 4.1)
+    kind = "pa.float32()" if m["logprob_dtype"] != "sqrt8" else "pa.uint8()"
+    return head + f'i = schema.get_field_index("{column}")\nf32 = pa.field("{column}", pa.list_({kind}))'
 
 
 def write_card(where):

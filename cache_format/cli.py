@@ -7,7 +7,8 @@ import time
 from .card import CARD
 from .errors import CacheError, ManifestMissing
 from .location import Location
-from .manifest import load_manifest
+from .backends import default_codec, get_backend
+from .manifest import fidelity_text, load_manifest, safe_shard_path, teacher_ce_text
 from .store import gc, is_store, list_caches
 from .verify import verify_cache
 
@@ -46,10 +47,11 @@ def inspect_main(argv=None):
         from .card import write_card
         print(f"wrote {write_card(args.cache)}")
     meta = m.get("meta", {})
+    codec = default_codec(m["backend"], m.get("fingerprint_parts", {}).get("format", {}).get("codec"))
     rows = [
         ("cache", args.cache),
-        ("format", f"{m['format']} v{m['format_version']}, backend {m['backend']}, "
-                   f"logprobs {m['logprob_dtype']}"),
+        ("format", f"{m['format']} format {m['format_version']}, backend {m['backend']} (codec {codec}), "
+                   f"log-probs {m['logprob_dtype']}" + (f", top-p {m['top_p']}" if m.get("top_p") else "")),
         ("status", ("complete" if m["complete"] else "INCOMPLETE") +
                    f" ({len(m['shards'])}/{m['num_shards_planned']} shards)"),
         ("samples", f"{c['samples']:,}"),
@@ -59,11 +61,14 @@ def inspect_main(argv=None):
         ("eos_token_ids", m["eos_token_ids"]),
         ("size", f"{c['bytes'] / 1e6:.2f} MB, " + (f"{derived['bytes_per_position']:.1f} B/position"
                                                    if c["positions"] else "no positions")),
+        ("fidelity", fidelity_text(m)),
+        ("teacher on data", teacher_ce_text(m)),
         ("fingerprint", m["fingerprint"][:16]),
     ] + [(k, v) for k, v in sorted(meta.items()) if isinstance(v, (str, int, float))]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    _print_field_bytes(args.cache, m, codec)
     print()
     print(f"{'shard':<24} {'samples':>8} {'range':>15} {'tokens':>10} {'positions':>10} {'MB':>8}")
     for s in m["shards"]:
@@ -71,6 +76,18 @@ def inspect_main(argv=None):
         print(f"{s['path']:<24} {s['num_samples']:>8} {rng:>15} {s['num_tokens']:>10} "
               f"{s['num_positions']:>10} {s['bytes'] / 1e6:>8.2f}")
     return 0
+
+
+def _print_field_bytes(where, m, codec):
+    """Bytes per trained position of each field, measured on the first shard (local caches)."""
+    loc = Location(where)
+    if loc.remote or not m["shards"] or not m["shards"][0]["num_positions"]:
+        return
+    s = m["shards"][0]
+    sizes = get_backend(m["backend"]).field_bytes(safe_shard_path(loc.url, s["path"]), codec)
+    print(f"\nbytes per trained position by field ({s['path']}, {s['num_positions']:,} positions):")
+    for name, b in sorted(sizes.items(), key=lambda x: -x[1]):
+        print(f"  {name:<18}{b / s['num_positions']:>8.2f}")
 
 
 def _store_hint(path):

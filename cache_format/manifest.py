@@ -3,23 +3,28 @@
 Written last and atomically. A shard not listed here does not exist for readers.
 """
 import json
+import math
 import os
 import re
 import time
 
+from .compact import LOGPROB_DTYPES
 from .errors import ManifestError, ManifestMissing
 from .location import as_location
 
 FORMAT_NAME = "kdcache-logits"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                 # what this writer writes
+READS_VERSIONS = (1, 2)            # what its readers read (SPEC.md section 8)
 MANIFEST_NAME = "manifest.json"
 SHARD_DIR = "shards"
-LOGPROB_DTYPES = ("float16", "float32")
 REQUIRED = ("format", "format_version", "backend", "top_k", "vocab_size", "eos_token_ids",
             "logprob_dtype", "fingerprint", "num_shards_planned", "complete", "shards", "counts")
 SHARD_REQUIRED = ("index", "path", "sample_start", "sample_end", "num_samples", "num_tokens",
                   "num_positions", "bytes", "sha256")
 COUNTS = ("samples", "tokens", "positions", "bytes")
+# Optional per-shard figures a format-2 writer records (SPEC.md section 3): the fidelity of what it stored
+# against the teacher's exact top-k, and the teacher's cross-entropy on the data's own tokens.
+STATS = ("kl_sum", "kl_max", "target_nll_sum", "target_positions")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -30,7 +35,7 @@ def shard_name(index: int, backend_ext: str, tag: str | None = None) -> str:
 
 
 def new_manifest(*, backend, top_k, vocab_size, eos_token_ids, fingerprint, fingerprint_parts,
-                 num_shards_planned, logprob_dtype="float16", meta=None, plan=None):
+                 num_shards_planned, logprob_dtype="float16", top_p=None, meta=None, plan=None):
     if logprob_dtype not in LOGPROB_DTYPES:
         raise ManifestError(f"logprob_dtype must be one of {LOGPROB_DTYPES}, got {logprob_dtype!r}")
     now = _now()
@@ -42,6 +47,7 @@ def new_manifest(*, backend, top_k, vocab_size, eos_token_ids, fingerprint, fing
         "vocab_size": int(vocab_size),
         "eos_token_ids": sorted(int(t) for t in eos_token_ids),
         "logprob_dtype": logprob_dtype,
+        "top_p": None if top_p is None else float(top_p),
         "fingerprint": fingerprint,
         "fingerprint_parts": fingerprint_parts,
         "num_shards_planned": int(num_shards_planned),
@@ -53,6 +59,32 @@ def new_manifest(*, backend, top_k, vocab_size, eos_token_ids, fingerprint, fing
         "meta": meta or {},
         **({"plan": plan} if plan else {}),
     }
+
+
+def cache_stats(m):
+    """Figures from the shards' `stats` (None where no shard records them): kl_mean, kl_max over trained
+    positions, and the teacher's cross-entropy (nats/token) and perplexity on the data's own tokens."""
+    stats = [s["stats"] for s in m["shards"] if s.get("stats")]
+    positions = sum(s["num_positions"] for s in m["shards"] if s.get("stats"))
+    targets = sum(st.get("target_positions", 0) for st in stats)
+    ce = sum(st.get("target_nll_sum", 0.0) for st in stats) / targets if targets else None
+    return {"kl_mean": sum(st.get("kl_sum", 0.0) for st in stats) / positions if positions else None,
+            "kl_max": max((st.get("kl_max", 0.0) for st in stats), default=None) if stats else None,
+            "teacher_ce": ce, "teacher_ppl": None if ce is None else math.exp(min(ce, 700.0))}
+
+
+def fidelity_text(m):
+    st = cache_stats(m)
+    if st["kl_mean"] is None:
+        return "not recorded (format 1)"
+    return f"KL(exact top-k || stored) mean {st['kl_mean']:.2e}, max {st['kl_max']:.2e} per position"
+
+
+def teacher_ce_text(m):
+    st = cache_stats(m)
+    if st["teacher_ce"] is None:
+        return "not recorded"
+    return f"cross-entropy {st['teacher_ce']:.3f} nats/token, perplexity {st['teacher_ppl']:.2f}"
 
 
 def _now():
@@ -113,15 +145,19 @@ def validate_manifest(m, where):
     if m.get("format") != FORMAT_NAME:
         raise ManifestError(f"{path}: format is {m.get('format')!r}, expected {FORMAT_NAME!r}")
     version = m.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READS_VERSIONS or isinstance(version, bool):
         raise ManifestError(
-            f"{path}: format_version {version!r} is not supported; this reader reads version "
-            f"{FORMAT_VERSION}. Upgrade kdcache (newer cache) or re-run precompute (older cache).")
+            f"{path}: format_version {version!r} is not supported; this reader reads versions "
+            f"{'/'.join(map(str, READS_VERSIONS))}. Upgrade kdcache (newer cache) or re-run precompute (older cache).")
     missing = [k for k in REQUIRED if k not in m]
     if missing:
         raise ManifestError(f"{path}: missing keys {missing}")
-    if m["logprob_dtype"] not in LOGPROB_DTYPES:
-        raise ManifestError(f"{path}: logprob_dtype {m['logprob_dtype']!r} not in {LOGPROB_DTYPES}")
+    dtypes = LOGPROB_DTYPES if version >= 2 else ("float16", "float32")
+    if m["logprob_dtype"] not in dtypes:
+        raise ManifestError(f"{path}: logprob_dtype {m['logprob_dtype']!r} not in {dtypes}")
+    top_p = m.get("top_p")
+    if top_p is not None and not (isinstance(top_p, float) and 0.0 < top_p <= 1.0):
+        bad(f"top_p must be null or a number in (0, 1], found {top_p!r}")
     for key, ok, need in [
         ("backend", isinstance(m["backend"], str), "a string"),
         ("top_k", _count(m["top_k"], 1), "a positive integer"),
@@ -175,6 +211,11 @@ def _check_shard_entry(s, planned, bad):
         bad(f"{where}: {s['num_samples']} samples do not fit its range [{s['sample_start']}, {s['sample_end']})")
     if not (isinstance(s["sha256"], str) and SHA256_RE.match(s["sha256"])):
         bad(f"{where}: sha256 must be 64 lowercase hex digits, found {s['sha256']!r}")
+    stats = s.get("stats")
+    if stats is not None and not (isinstance(stats, dict) and all(
+            k in STATS and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+            for k, v in stats.items())):
+        bad(f"{where}: stats must be an object of non-negative numbers {list(STATS)}, found {stats!r}")
 
 
 def check_shard_path(where, rel):

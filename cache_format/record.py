@@ -18,11 +18,17 @@ class Record:
       sample_id      int     stable id: the record's index in the source dataset
       input_ids      int32 [T]     exact token ids the teacher scored, template included
       positions      int32 [P]     t such that input_ids[t+1] is a trained target; strictly increasing
-      topk_ids       int32 [P, k]  teacher's top-k next-token ids at each position
-      topk_logprobs  float32 [P, k] their log-probabilities (full-vocabulary softmax), descending
-      tail_mass      float32 [P]   1 - sum(exp(topk_logprobs)) at full precision: the mass outside top-k;
-                                   None when handed to a writer: check_record derives it (the one place)
+      topk_ids       int32 [P, k]  teacher's top-k next-token ids at each position. Read from a cache with
+                                   ragged rows (--top-p, format 2), a row's unused slots hold id -1
+      topk_logprobs  float32 [P, k] their log-probabilities (full-vocabulary softmax), descending; -inf in
+                                   unused slots. A sqrt8 cache reads back each row in ascending id order
+                                   instead (its stored order; the losses need no order)
+      tail_mass      float32 [P]   1 - sum(exp(stored log-probs)) at full precision: the mass outside the stored
+                                   entries; None when handed to a writer: check_record derives it (the one place)
       truncated      bool          the sample was cut at max_length (its end-of-turn may be missing)
+      target_logprobs float32 [P]  the teacher's log-prob of the target input_ids[t+1] itself, at any rank;
+                                   None where unknown (format 1 caches, writers that lack it), NaN for a
+                                   position where unknown
     """
     sample_id: int
     input_ids: np.ndarray
@@ -31,11 +37,17 @@ class Record:
     topk_logprobs: np.ndarray
     tail_mass: np.ndarray | None = None
     truncated: bool = False
+    target_logprobs: np.ndarray | None = None
 
     @property
     def targets(self):
         """int32 [P]: the token each position predicts, input_ids[positions + 1]."""
         return self.input_ids[self.positions + 1]
+
+    @property
+    def topk_counts(self):
+        """int32 [P]: how many entries of each row are stored (k unless the cache is ragged)."""
+        return (self.topk_ids >= 0).sum(axis=1, dtype=np.int32)
 
 
 def span_positions(spans) -> np.ndarray:
@@ -55,16 +67,20 @@ def lacks_end_of_turn(targets, truncated, eos_token_ids) -> bool:
     return not truncated and not np.isin(np.asarray(targets), list(eos_token_ids)).any()
 
 
-def check_record(rec: Record, top_k: int, vocab_size: int) -> Record:
-    """Coerce dtypes, derive a missing tail_mass, check shapes and invariants; raise RecordError naming the sample."""
+def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True) -> Record:
+    """Coerce dtypes, derive a missing tail_mass, check shapes and invariants; raise RecordError naming the sample.
+
+    ranked: entries must be in descending log-prob order (what writers take; a sqrt8 cache reads back by id)."""
     sid = rec.sample_id
     ids = np.ascontiguousarray(rec.input_ids, dtype=np.int32)
     pos = np.ascontiguousarray(rec.positions, dtype=np.int32)
     tid = np.ascontiguousarray(rec.topk_ids, dtype=np.int32)
     tlp = np.ascontiguousarray(rec.topk_logprobs, dtype=np.float32)
-    tlp = np.where(np.isneginf(tlp), np.float32(LOGPROB_FLOOR), tlp)          # impossible tokens: the floor
-    tail = tail_mass_from_logprobs(rec.topk_logprobs) if rec.tail_mass is None else \
+    used = tid >= 0                                   # a ragged row's unused slots (id -1) come last
+    tlp = np.where(used & np.isneginf(tlp), np.float32(LOGPROB_FLOOR), tlp)   # impossible tokens: the floor
+    tail = tail_mass_from_logprobs(np.where(used, tlp, -np.inf)) if rec.tail_mass is None else \
         np.ascontiguousarray(rec.tail_mass, dtype=np.float32)
+    target = None if rec.target_logprobs is None else np.ascontiguousarray(rec.target_logprobs, dtype=np.float32)
     T, P = ids.shape[0] if ids.ndim == 1 else -1, pos.shape[0] if pos.ndim == 1 else -1
 
     def bad(msg):
@@ -80,15 +96,25 @@ def check_record(rec: Record, top_k: int, vocab_size: int) -> Record:
         bad(f"tail_mass must be [{P}], got {tail.shape}")
     if pos[0] < 0 or pos[-1] > T - 2 or (P > 1 and np.any(np.diff(pos) <= 0)):
         bad(f"positions must be strictly increasing within [0, {T - 2}]")
-    if ids.min() < 0 or ids.max() >= vocab_size or tid.min() < 0 or tid.max() >= vocab_size:
+    if not used[:, 0].all() or (top_k > 1 and np.any(used[:, 1:] & ~used[:, :-1])) or np.any(tid < -1):
+        bad("every position needs at least one top-k entry, and only trailing slots may be unused (id -1)")
+    if ids.min() < 0 or ids.max() >= vocab_size or tid.max() >= vocab_size:
         bad(f"token ids must lie in [0, {vocab_size})")
-    if not np.all(np.isfinite(tlp)) or tlp.max() > 1e-4:
+    if not np.all(np.isfinite(tlp[used])) or tlp[used].max() > 1e-4:
         bad("topk_logprobs must be finite and <= 0")
-    if top_k > 1 and np.any(np.diff(tlp, axis=1) > 1e-6):
+    with np.errstate(invalid="ignore"):               # -inf - -inf in unused slots, masked out below
+        steps = np.diff(tlp, axis=1)
+    if ranked and top_k > 1 and np.any(steps[used[:, 1:]] > 1e-6):
         bad("topk_logprobs must be sorted descending along k")
     if not np.all(np.isfinite(tail)) or tail.min() < -1e-4 or tail.max() > 1 + 1e-4:
         bad("tail_mass must lie in [0, 1]")
-    return Record(int(sid), ids, pos, tid, tlp, np.clip(tail, 0.0, 1.0), bool(rec.truncated))
+    if target is not None:
+        if target.shape != (P,):
+            bad(f"target_logprobs must be [{P}], got {target.shape}")
+        target = np.where(np.isneginf(target), np.float32(LOGPROB_FLOOR), target)
+        if np.nanmax(target, initial=-np.inf) > 1e-4:
+            bad("target_logprobs must be <= 0 (NaN where unknown)")
+    return Record(int(sid), ids, pos, tid, tlp, np.clip(tail, 0.0, 1.0), bool(rec.truncated), target)
 
 
 def tail_mass_from_logprobs(topk_logprobs) -> np.ndarray:

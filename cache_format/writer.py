@@ -9,6 +9,8 @@ import shutil
 import tempfile
 import uuid
 
+import numpy as np
+
 from .backends import default_codec, get_backend
 from .errors import ConflictError, FingerprintError, LockedError, ManifestError
 from .fingerprint import describe_diff, fingerprint
@@ -16,6 +18,7 @@ from .lease import Lease
 from .location import as_location
 from .lock import LOCK_NAME, DirLock
 from .manifest import (
+    FORMAT_VERSION,
     MANIFEST_NAME,
     SHARD_DIR,
     load_manifest,
@@ -24,12 +27,15 @@ from .manifest import (
     save_manifest,
     shard_name,
 )
+from .compact import to_store
 from .record import check_record
 
 
 def write_shard_file(directory, index, records, *, backend, top_k, vocab_size,
-                     sample_start, sample_end, logprob_dtype="float16", codec=None, tag=None):
+                     sample_start, sample_end, logprob_dtype="float16", codec=None, top_p=None, tag=None):
     """Check and write one shard atomically. Returns its manifest entry (not yet committed).
+
+    top_p: keep per position the smallest prefix of the top-k reaching this mass (None: all k).
 
     sample_start/sample_end: the half-open range of dataset record indices this
     shard covers (records skipped as bad leave gaps; they are counted elsewhere).
@@ -37,7 +43,12 @@ def write_shard_file(directory, index, records, *, backend, top_k, vocab_size,
     another job (a stale worker of a killed or displaced job) can ever replace a committed shard.
     """
     mod = get_backend(backend)
-    checked = [check_record(r, top_k, vocab_size) for r in records]
+    checked, kls = [], []
+    for r in records:
+        rec, kl = to_store(check_record(r, top_k, vocab_size), top_p=top_p, logprob_dtype=logprob_dtype,
+                           vocab_size=vocab_size)
+        checked.append(rec)
+        kls.append(kl)
     rel = shard_name(index, mod.EXT, tag)
     loc = as_location(directory)
     kw = dict(top_k=top_k, logprob_dtype=logprob_dtype, codec=default_codec(backend, codec))
@@ -60,14 +71,26 @@ def write_shard_file(directory, index, records, *, backend, top_k, vocab_size,
         "num_positions": int(sum(len(r.positions) for r in checked)),
         "num_truncated": int(sum(r.truncated for r in checked)),
         "bytes": int(size), "sha256": digest,
+        "stats": shard_stats(checked, kls),
     }
 
 
-def cache_fingerprint(fingerprint_parts, *, backend, top_k, logprob_dtype="float16", codec=None):
+def shard_stats(records, kls):
+    """The shard entry's `stats`: stored fidelity (KL against the exact top-k) and the teacher's NLL of the
+    data's own tokens, summed over the positions where it is known."""
+    kl = np.concatenate(kls) if kls else np.zeros(0)
+    nll = np.concatenate([-r.target_logprobs for r in records if r.target_logprobs is not None] or [np.zeros(0)])
+    nll = nll[np.isfinite(nll)].astype(np.float64)
+    return {"kl_sum": float(kl.sum()), "kl_max": float(kl.max(initial=0.0)),
+            "target_nll_sum": float(nll.sum()), "target_positions": int(len(nll))}
+
+
+def cache_fingerprint(fingerprint_parts, *, backend, top_k, logprob_dtype="float16", codec=None, top_p=None):
     """(fingerprint, parts): the job's parts plus the storage format, as recorded in the manifest."""
     parts = dict(fingerprint_parts)
-    parts["format"] = {"backend": backend, "top_k": int(top_k), "logprob_dtype": logprob_dtype,
-                       "codec": default_codec(backend, codec)}
+    parts["format"] = {"version": FORMAT_VERSION, "backend": backend, "top_k": int(top_k),
+                       "logprob_dtype": logprob_dtype, "codec": default_codec(backend, codec),
+                       "top_p": None if top_p is None else float(top_p)}
     return fingerprint(parts), parts
 
 
@@ -104,21 +127,21 @@ class CacheWriter:
 
     def __init__(self, directory, *, backend, top_k, vocab_size, eos_token_ids, fingerprint_parts,
                  num_shards_planned=None, shard_size=None, num_records=None, logprob_dtype="float16", codec=None,
-                 meta=None):
+                 top_p=None, meta=None):
         """The plan: shard_size and num_records (shard j covers records [j*shard_size, ...)), recorded in
         the manifest and checked on resume and on every commit; or num_shards_planned alone (ranges unchecked)."""
         self.location = as_location(directory)
         self.directory = self.location.url
         self.backend, self.top_k, self.vocab_size = backend, int(top_k), int(vocab_size)
-        self.logprob_dtype, self.codec = logprob_dtype, default_codec(backend, codec)
+        self.logprob_dtype, self.codec, self.top_p = logprob_dtype, default_codec(backend, codec), top_p
         fp, parts = cache_fingerprint(fingerprint_parts, backend=backend, top_k=top_k,
-                                      logprob_dtype=logprob_dtype, codec=self.codec)
+                                      logprob_dtype=logprob_dtype, codec=self.codec, top_p=top_p)
         self.plan = None if shard_size is None else {"shard_size": int(shard_size), "records": int(num_records)}
         if self.plan:
             num_shards_planned = num_shards(num_records, shard_size)
         self._init = dict(backend=backend, top_k=top_k, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
                           fingerprint=fp, fingerprint_parts=parts, num_shards_planned=num_shards_planned,
-                          logprob_dtype=logprob_dtype, meta=meta, plan=self.plan)
+                          logprob_dtype=logprob_dtype, top_p=top_p, meta=meta, plan=self.plan)
         self._lock = (Lease(self.location, LOCK_NAME, exclusive=True) if self.location.remote
                       else DirLock(self.directory))
         # This job's shards carry its id in their names (see write_shard_file): its lease id on object
@@ -212,7 +235,8 @@ class CacheWriter:
         """Write one shard in this process and commit it (convenience for single-process jobs)."""
         info = write_shard_file(self.directory, index, records, backend=self.backend, top_k=self.top_k,
                                 vocab_size=self.vocab_size, sample_start=sample_start, sample_end=sample_end,
-                                logprob_dtype=self.logprob_dtype, codec=self.codec, tag=self.shard_tag)
+                                logprob_dtype=self.logprob_dtype, codec=self.codec, top_p=self.top_p,
+                                tag=self.shard_tag)
         self.commit(info)
         return info
 

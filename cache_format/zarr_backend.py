@@ -1,6 +1,6 @@
 """Zarr v3 backend: one Zarr group (a directory) per shard.
 
-Token-major arrays plus CSR offsets. Each array uses the sharding codec with a
+Flat arrays plus CSR offsets (cache_format/layout.py); format 1 groups stay readable. Each array uses the sharding codec with a
 single Zarr shard spanning the whole array, so every array is one file of
 compressed inner chunks plus an index. A group is written whole into a temp
 directory by exactly one writer, then renamed into place: Zarr's own
@@ -11,17 +11,17 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, ZstdCodec
 
+from . import layout
 from .atomic import write_new
 from .errors import ShardError
 from .fingerprint import check_shard_tree
-from .manifest import FORMAT_VERSION
-from .record import Record
+from .manifest import FORMAT_VERSION, READS_VERSIONS
 
 EXT = "zarr"
 CODECS = ("zstd", "blosc-zstd", "none")
 DEFAULT_CODEC = "blosc-zstd"   # the smallest in bench/storage.py
 TOKEN_CHUNK = 16384      # inner chunk of 1-D token/position arrays (elements)
-TOPK_CHUNK = 1024        # inner chunk of [P, k] arrays (rows)
+ENTRY_CHUNK = 65536      # inner chunk of the per-entry arrays (elements)
 READ_BLOCK = 256         # samples decoded at once when streaming
 
 
@@ -45,35 +45,25 @@ def _put(group, name, data, chunk_rows, codec):
         arr[...] = data
 
 
-def _csr(arrays):
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
-    np.cumsum([len(a) for a in arrays], out=offsets[1:])
-    return offsets
+# Format 2 arrays: (name, chunk length). Per-sample, per-token, per-position and per-entry arrays are 1-D.
+ARRAYS = (("sample_id", TOKEN_CHUNK), ("truncated", TOKEN_CHUNK), ("token_offsets", TOKEN_CHUNK),
+          ("input_ids", TOKEN_CHUNK), ("position_offsets", TOKEN_CHUNK), ("positions", TOKEN_CHUNK),
+          ("topk_counts", TOKEN_CHUNK), ("tail_mass", TOKEN_CHUNK), ("target_logprobs", TOKEN_CHUNK),
+          ("topk_ids", ENTRY_CHUNK), ("topk_values", ENTRY_CHUNK))
 
 
 def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_CODEC):
     """Write checked records to the group directory `path` atomically. Returns (bytes, sha256)."""
     if codec not in CODECS:
         raise ShardError(f"{path}: zarr codec must be one of {CODECS}, got {codec!r}")
-    np_lp = np.float16 if logprob_dtype == "float16" else np.float32
-
-    def cat(name, dtype, shape_tail=()):
-        parts = [getattr(r, name) for r in records]
-        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros((0,) + shape_tail, dtype)
+    cols = layout.encode(records, top_k=top_k, logprob_dtype=logprob_dtype)
 
     def fill(tmp):
         g = zarr.open_group(zarr.storage.LocalStore(tmp), mode="w", zarr_format=3, attributes={
             "kdcache_format_version": FORMAT_VERSION, "top_k": top_k, "num_samples": len(records),
             "logprob_dtype": logprob_dtype})
-        _put(g, "sample_id", np.array([r.sample_id for r in records], dtype=np.int64), TOKEN_CHUNK, codec)
-        _put(g, "truncated", np.array([r.truncated for r in records], dtype=np.bool_), TOKEN_CHUNK, codec)
-        _put(g, "token_offsets", _csr([r.input_ids for r in records]), TOKEN_CHUNK, codec)
-        _put(g, "input_ids", cat("input_ids", np.int32), TOKEN_CHUNK, codec)
-        _put(g, "position_offsets", _csr([r.positions for r in records]), TOKEN_CHUNK, codec)
-        _put(g, "positions", cat("positions", np.int32), TOKEN_CHUNK, codec)
-        _put(g, "tail_mass", cat("tail_mass", np.float32), TOKEN_CHUNK, codec)
-        _put(g, "topk_ids", cat("topk_ids", np.int32, (top_k,)), TOPK_CHUNK, codec)
-        _put(g, "topk_logprobs", cat("topk_logprobs", np_lp, (top_k,)), TOPK_CHUNK, codec)
+        for name, chunk in ARRAYS:
+            _put(g, name, getattr(cols, name), chunk, codec)
 
     return write_new(path, fill)
 
@@ -82,61 +72,79 @@ class Shard:
     """Reads one shard group; offsets are loaded once, payload arrays are sliced on demand."""
 
     def __init__(self, path, top_k):
-        self.path = path
+        self.path, self.top_k = path, top_k
         # Zarr's LocalStore follows links: a linked chunk (c/0 -> /anywhere) would be read as shard data.
         check_shard_tree(path)
         try:
             g = zarr.open_group(zarr.storage.LocalStore(path, read_only=True), mode="r", zarr_format=3)
-            version = g.attrs.get("kdcache_format_version")
-            self._a = {name: g[name] for name in (
-                "input_ids", "positions", "tail_mass", "topk_ids", "topk_logprobs")}
+            self.version = g.attrs.get("kdcache_format_version")
+            self.logprob_dtype = g.attrs.get("logprob_dtype")
+            v1 = self.version == 1
+            names = ("input_ids", "positions", "tail_mass", "topk_ids", "topk_logprobs") if v1 else \
+                ("input_ids", "positions", "topk_counts", "tail_mass", "target_logprobs", "topk_ids", "topk_values")
+            self._a = {name: g[name] for name in names}
             self._sid = g["sample_id"][...]
             self._trunc = g["truncated"][...]
             self._toff = g["token_offsets"][...]
             self._poff = g["position_offsets"][...]
+            counts = None if v1 else g["topk_counts"][...]
         except Exception as e:  # zarr raises many types for damaged stores
             raise ShardError(f"{path}: cannot open as a kdcache Zarr group ({type(e).__name__}: {e})") from e
-        if version != FORMAT_VERSION:
-            raise ShardError(f"{path}: shard format version {version!r}, this reader reads {FORMAT_VERSION}; "
-                             "upgrade kdcache or re-run precompute")
-        if self._a["topk_ids"].shape[1:] != (top_k,):
-            raise ShardError(f"{path}: top_k is {self._a['topk_ids'].shape[1:]} in the shard, {top_k} in the manifest")
+        if self.version not in READS_VERSIONS or isinstance(self.version, bool):
+            raise ShardError(f"{path}: shard format version {self.version!r}, this reader reads "
+                             f"{'/'.join(map(str, READS_VERSIONS))}; upgrade kdcache or re-run precompute")
+        got_k = self._a["topk_ids"].shape[1] if v1 else g.attrs.get("top_k")
+        if got_k != top_k:
+            raise ShardError(f"{path}: top_k is {got_k} in the shard, {top_k} in the manifest")
+        # entry e of position p: format 1 rows are [P, k]; format 2 entries are flat, counts per position
+        self._eoff = None if v1 else np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self._block = (None, None)
 
     def __len__(self):
         return len(self._sid)
 
     def _read(self, lo, hi):
-        """Decode samples [lo, hi) into flat arrays with local offsets."""
+        """Decode samples [lo, hi)."""
         t0, t1, p0, p1 = self._toff[lo], self._toff[hi], self._poff[lo], self._poff[hi]
+        a = self._a
         try:
-            return {
-                "input_ids": self._a["input_ids"][t0:t1], "positions": self._a["positions"][p0:p1],
-                "tail_mass": self._a["tail_mass"][p0:p1], "topk_ids": self._a["topk_ids"][p0:p1],
-                "topk_logprobs": self._a["topk_logprobs"][p0:p1].astype(np.float32),
-                "toff": self._toff[lo:hi + 1] - t0, "poff": self._poff[lo:hi + 1] - p0, "lo": lo,
-            }
+            if self.version == 1:
+                P = p1 - p0
+                per_entry = dict(topk_counts=np.full(P, self.top_k, np.uint16), target_logprobs=np.full(P, np.nan, np.float32),
+                                 topk_ids=a["topk_ids"][p0:p1].reshape(-1), topk_values=a["topk_logprobs"][p0:p1].reshape(-1))
+            else:
+                e0, e1 = self._eoff[p0], self._eoff[p1]
+                per_entry = dict(topk_counts=a["topk_counts"][p0:p1], target_logprobs=a["target_logprobs"][p0:p1],
+                                 topk_ids=a["topk_ids"][e0:e1], topk_values=a["topk_values"][e0:e1])
+            cols = layout.Columns(
+                sample_id=self._sid[lo:hi], truncated=self._trunc[lo:hi], token_offsets=self._toff[lo:hi + 1] - t0,
+                input_ids=a["input_ids"][t0:t1], position_offsets=self._poff[lo:hi + 1] - p0,
+                positions=a["positions"][p0:p1], tail_mass=a["tail_mass"][p0:p1], **per_entry)
         except Exception as e:
             raise ShardError(f"{self.path}: samples [{lo}, {hi}) are unreadable ({type(e).__name__}: {e})") from e
-
-    def _record(self, blk, i):
-        r = i - blk["lo"]
-        t0, t1, p0, p1 = blk["toff"][r], blk["toff"][r + 1], blk["poff"][r], blk["poff"][r + 1]
-        return Record(int(self._sid[i]), blk["input_ids"][t0:t1], blk["positions"][p0:p1],
-                      blk["topk_ids"][p0:p1], blk["topk_logprobs"][p0:p1], blk["tail_mass"][p0:p1],
-                      bool(self._trunc[i]))
+        return lo, layout.Decoded(cols, top_k=self.top_k, logprob_dtype=self.logprob_dtype)
 
     def __getitem__(self, i):
         if not 0 <= i < len(self):
             raise IndexError(f"{self.path}: row {i} out of range [0, {len(self)})")
         lo = i - i % READ_BLOCK          # decode the whole block: neighbours are usually read next
         if self._block[0] != lo:
-            self._block = (lo, self._read(lo, min(lo + READ_BLOCK, len(self))))
-        return self._record(self._block[1], i)
+            self._block = self._read(lo, min(lo + READ_BLOCK, len(self)))
+        return self._block[1].record(i - lo)
 
     def __iter__(self):
         for lo in range(0, len(self), READ_BLOCK):
-            hi = min(lo + READ_BLOCK, len(self))
-            blk = self._read(lo, hi)
-            for i in range(lo, hi):
-                yield self._record(blk, i)
+            _, dec = self._read(lo, min(lo + READ_BLOCK, len(self)))
+            for r in range(len(dec)):
+                yield dec.record(r)
+
+
+def field_bytes(path, codec=None):
+    """{array: bytes on disk} of a shard group (exact: every array is its own files)."""
+    import os
+    out = {}
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if os.path.isdir(full):
+            out[name] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(full) for f in fs)
+    return out

@@ -9,6 +9,8 @@ from transformers import AutoModelForCausalLM
 from kdcache.batching import budget_groups
 from kdcache.heads import logit_transform
 
+from .teacher import Scored
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -28,7 +30,7 @@ class HFTeacher:
 
     @torch.no_grad()
     def score(self, seqs, positions, k):
-        """See pipeline.teacher.Teacher.score: per sequence (ids int32 [P, k], logprobs float32 [P, k])."""
+        """See pipeline.teacher.Teacher.score: one Scored per sequence."""
         out = [None] * len(seqs)
         for idx in budget_groups(range(len(seqs)), lambda i: len(seqs[i]), max_tokens=self.batch_tokens):
             T = max(len(seqs[i]) for i in idx)
@@ -47,7 +49,10 @@ class HFTeacher:
                     logits = self.transform(logits)
                 lp = torch.log_softmax(logits, dim=-1)
                 top_lp, top_ids = lp.topk(k, dim=-1)                           # (P, k), sorted descending
-                out[i] = (top_ids.int().cpu().numpy(), top_lp.cpu().numpy().astype(np.float32))
+                targets = torch.as_tensor(np.asarray(seqs[i], dtype=np.int64), device=self.device)[pos + 1]
+                target_lp = lp.gather(1, targets[:, None])[:, 0]
+                out[i] = Scored(top_ids.int().cpu().numpy(), top_lp.cpu().numpy().astype(np.float32),
+                                target_lp.cpu().numpy().astype(np.float32))
         return out
 
     @torch.no_grad()

@@ -9,6 +9,8 @@ import os
 
 import numpy as np
 
+from .teacher import Scored
+
 
 class VLLMTeacher:
     engine = "vllm"
@@ -24,11 +26,11 @@ class VLLMTeacher:
                        max_num_batched_tokens=max(batch_tokens, max_length), enable_prefix_caching=False)
 
     def score(self, seqs, positions, k):
-        """See pipeline.teacher.Teacher.score: per sequence (ids int32 [P, k], logprobs float32 [P, k])."""
+        """See pipeline.teacher.Teacher.score: one Scored per sequence."""
         from vllm import SamplingParams
         sp = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True)
         outs = self.llm.generate(_prompts(seqs), sp, use_tqdm=False)
-        return [_topk_from_flat(o.prompt_logprobs, np.asarray(pos), k, len(s))
+        return [_topk_from_flat(o.prompt_logprobs, np.asarray(pos), k, np.asarray(s))
                 for o, pos, s in zip(outs, positions, seqs)]
 
     def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, eos_ids):
@@ -51,16 +53,16 @@ def _prompts(seqs):
     return [TokensPrompt(prompt_token_ids=np.asarray(s).tolist()) for s in seqs]
 
 
-def _topk_from_flat(flat, positions, k, T):
-    """(ids int32 [P,k], logprobs float32 [P,k]) from vLLM FlatLogprobs for prompt positions.
+def _topk_from_flat(flat, positions, k, seq):
+    """Scored for prompt positions, from vLLM FlatLogprobs of the prompt `seq`.
 
     Entry t+1 holds the prompt token (any rank) followed by ranks 1..k. That fixed layout is read
     with one vectorised gather; anything else falls back to a per-position selection by rank.
     """
     start = np.asarray(flat.start_indices)
     end = np.asarray(flat.end_indices)
-    if len(start) != T:
-        raise RuntimeError(f"vLLM returned prompt logprobs for {len(start)} positions, expected {T}")
+    if len(start) != len(seq):
+        raise RuntimeError(f"vLLM returned prompt logprobs for {len(start)} positions, expected {len(seq)}")
     ids = np.asarray(flat.token_ids, dtype=np.int64)
     lps = np.asarray(flat.logprobs, dtype=np.float64)
     ranks = np.asarray(flat.ranks)
@@ -68,20 +70,24 @@ def _topk_from_flat(flat, positions, k, T):
         ranks = np.asarray([-1 if r is None else r for r in flat.ranks])
     ranks = ranks.astype(np.int64)
     rows = np.asarray(positions, dtype=np.int64) + 1
-    a = start[rows]
-    if np.all(end[rows] - a == k + 1):
+    a, b = start[rows], end[rows]
+    targets = np.asarray(seq, dtype=np.int64)[rows]
+    if np.all(b - a == k + 1) and np.array_equal(ids[a], targets):
         cols = a[:, None] + 1 + np.arange(k)[None, :]                  # [P, k]: skip the prompt-token entry
         if np.array_equal(ranks[cols], np.broadcast_to(np.arange(1, k + 1), cols.shape)):
-            return ids[cols].astype(np.int32), lps[cols].astype(np.float32)
+            return Scored(ids[cols].astype(np.int32), lps[cols].astype(np.float32), lps[a].astype(np.float32))
     out_ids = np.empty((len(rows), k), dtype=np.int32)
     out_lp = np.empty((len(rows), k), dtype=np.float64)
-    for row, (lo, hi) in enumerate(zip(a, end[rows])):
+    target_lp = np.empty(len(rows), dtype=np.float64)
+    for row, (lo, hi) in enumerate(zip(a, b)):
         r = ranks[lo:hi]
         sel = np.flatnonzero((r >= 1) & (r <= k))
         _, first = np.unique(r[sel], return_index=True)
         sel = sel[first]
-        if len(sel) != k:
-            raise RuntimeError(f"vLLM gave {len(sel)} top-k entries at a prompt position, expected {k}")
+        hit = np.flatnonzero(ids[lo:hi] == targets[row])
+        if len(sel) != k or not len(hit):
+            raise RuntimeError(f"vLLM gave {len(sel)} top-k entries at a prompt position, expected {k}, "
+                               f"{'with' if len(hit) else 'without'} the prompt token")
         order = lo + sel[np.argsort(r[sel], kind="stable")]
-        out_ids[row], out_lp[row] = ids[order], lps[order]
-    return out_ids, out_lp.astype(np.float32)
+        out_ids[row], out_lp[row], target_lp[row] = ids[order], lps[order], lps[lo + hit[0]]
+    return Scored(out_ids, out_lp.astype(np.float32), target_lp.astype(np.float32))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from cache_format import Record, write_shard_file
 
 from .encode import Sample, with_completion
-from .teacher import make_teacher
+from .teacher import SampleFailed, make_teacher
 
 
 @dataclass
@@ -45,13 +45,16 @@ class TeacherWorker:
         """Score the unit's samples and write its shard. Returns {info, teacher_s, tokens}."""
         t0 = time.perf_counter()
         samples = unit.samples
-        if self.spec.generate and samples:
-            samples = self._generate(samples)
         k = self.spec.shard_kwargs["top_k"]
-        scored = self.teacher.score([s.input_ids for s in samples], [s.positions for s in samples], k) \
-            if samples else []
-        records = [Record(s.sample_id, s.input_ids, s.positions, ids, logprobs, truncated=s.truncated)
-                   for s, (ids, logprobs) in zip(samples, scored)]
+        try:
+            if self.spec.generate and samples:
+                samples = self._generate(samples)
+            scored = self.teacher.score([s.input_ids for s in samples], [s.positions for s in samples], k) \
+                if samples else []
+        except SampleFailed as e:          # one sequence failed on its own: name its sample
+            raise e.named(samples) from None
+        records = [Record(s.sample_id, s.input_ids, s.positions, sc.ids, sc.logprobs, truncated=s.truncated,
+                          target_logprobs=sc.target_logprobs) for s, sc in zip(samples, scored)]
         teacher_s = time.perf_counter() - t0
         info = write_shard_file(unit.directory, unit.index, records, sample_start=unit.sample_start,
                                 sample_end=unit.sample_end, tag=unit.shard_tag, **self.spec.shard_kwargs)

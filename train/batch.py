@@ -19,8 +19,9 @@ class Batch:
     positions: torch.Tensor              # int64 (N,) column of each trained position
     sample_index: torch.Tensor           # int64 (N,) which record (0..B-1) each position belongs to
     targets: torch.Tensor                # int64 (N,) the token each position predicts
-    topk_ids: torch.Tensor               # int64 (N, k), -1 where the teacher id lies outside the student's vocab
-    topk_logprobs: torch.Tensor          # float32 (N, k)
+    topk_ids: torch.Tensor               # int64 (N, k) or (N, k + 1) with the target column (see with_target);
+                                         # -1 = no entry (ragged rows, ids outside the student's vocab)
+    topk_logprobs: torch.Tensor          # float32 (N, k) or (N, k + 1)
     tail_mass: torch.Tensor              # float32 (N,)
     n_tokens: int                        # real (unpadded) tokens
     n_outside_vocab: int                 # teacher entries moved to the tail bucket (see collate)
@@ -80,6 +81,18 @@ def _layout(records, pad_id, pack_len):
     return ids, mask, position_ids, place
 
 
+def with_target(tid, tlp, tail, targets, target_lp):
+    """One more column: the target token where the cache knows its teacher log-prob and it is not among the
+    stored entries. Its mass leaves the tail bucket, so the loss's tail term is exact for the true token.
+    Arrays [N, k], [N, k], [N], [N], [N] -> [N, k + 1], [N, k + 1], [N]."""
+    add = np.isfinite(target_lp) & ~(tid == targets[:, None]).any(axis=1)
+    p = np.where(add, np.exp(np.where(add, target_lp, 0.0)), 0.0)
+    col_id = np.where(add, targets, -1)[:, None]
+    col_lp = np.where(add, target_lp, -np.inf).astype(np.float32)[:, None]
+    return (np.concatenate([tid, col_id], axis=1), np.concatenate([tlp, col_lp], axis=1),
+            np.clip(tail - p, 0.0, 1.0).astype(np.float32))
+
+
 def collate(records, *, pad_id, student_vocab, pack_len=0) -> Batch:
     """Batch cache records.
 
@@ -98,6 +111,11 @@ def collate(records, *, pad_id, student_vocab, pack_len=0) -> Batch:
     tid = np.concatenate([r.topk_ids for r in records]).astype(np.int64)
     tlp = np.concatenate([r.topk_logprobs for r in records]).astype(np.float32)
     tail = np.concatenate([r.tail_mass for r in records]).astype(np.float32)
+    targets = ids[bidx, pos + 1]
+    if any(r.target_logprobs is not None for r in records):
+        target_lp = np.concatenate([np.full(len(r.positions), np.nan, np.float32) if r.target_logprobs is None
+                                    else r.target_logprobs for r in records])
+        tid, tlp, tail = with_target(tid, tlp, tail, targets, target_lp)
     # Explicit rule for padded vocabularies (e.g. 152064 teacher rows vs 151936 student rows): teacher ids
     # the student cannot represent leave the support and their mass joins the tail bucket.
     outside = tid >= student_vocab
@@ -110,6 +128,6 @@ def collate(records, *, pad_id, student_vocab, pack_len=0) -> Batch:
         input_ids=as_t(ids), attention_mask=None if pack_len else as_t(mask),
         position_ids=None if position_ids is None else as_t(position_ids),
         batch_index=as_t(bidx.astype(np.int64)), positions=as_t(pos), sample_index=as_t(sidx.astype(np.int64)),
-        targets=as_t(ids[bidx, pos + 1]), topk_ids=as_t(tid), topk_logprobs=as_t(tlp), tail_mass=as_t(tail),
+        targets=as_t(targets), topk_ids=as_t(tid), topk_logprobs=as_t(tlp), tail_mass=as_t(tail),
         n_tokens=int(mask.sum()), n_outside_vocab=n_outside,
         sample_ids=[r.sample_id for r in records], truncated=[r.truncated for r in records])

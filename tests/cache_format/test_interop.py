@@ -53,9 +53,10 @@ def test_arrow_shards_open_in_pyarrow_datasets_polars_and_duckdb(arrow_cache, tm
 
     assert env["table"].column("sample_id").to_pylist() == want_ids
     assert env["ds"]["sample_id"] == want_ids
-    assert env["ds"][3]["topk_ids"] == cache[3].topk_ids.tolist()
+    k = cache.top_k
+    assert np.array(env["ds"][3]["topk_ids"]).reshape(-1, k).tolist() == cache[3].topk_ids.tolist()
     assert env["df"]["sample_id"].to_list() == want_ids
-    np.testing.assert_allclose(np.array(env["df"]["topk_logprobs"][5].to_list(), dtype=np.float32),
+    np.testing.assert_allclose(np.array(env["df"]["topk_values"][5].to_list(), dtype=np.float32).reshape(-1, k),
                                cache[5].topk_logprobs)
     count, n_pos, best = env["row"]
     assert (count, n_pos) == (len(want_ids), positions) and abs(best - top1) < 1e-6
@@ -66,6 +67,8 @@ def test_zarr_shards_open_in_zarr_python(tmp_path, monkeypatch):
     write_cache(tmp_path / "cache", recs, shard_size=20, **writer_kwargs("zarr"))
     blocks = [b for b in readme_snippets() if "shards = [" in b or "import zarr" in b]
     env = run_snippets(tmp_path / "cache", blocks, tmp_path, monkeypatch)
-    np.testing.assert_array_equal(env["topk_ids"], np.concatenate([r.topk_ids for r in recs]))
+    ids, ends, counts = env["topk_ids"], env["ends"], env["counts"]
+    np.testing.assert_array_equal(ids.reshape(-1, 8), np.concatenate([r.topk_ids for r in recs]))
     off = env["offsets"]
-    np.testing.assert_array_equal(env["topk_ids"][off[7]:off[8]], recs[7].topk_ids)
+    rows = [ids[ends[p] - counts[p]:ends[p]] for p in range(off[7], off[8])]
+    np.testing.assert_array_equal(np.array(rows), recs[7].topk_ids)

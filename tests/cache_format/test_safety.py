@@ -134,7 +134,7 @@ def test_unknown_format_version_refused(tmp_path):
     m = json.loads((tmp_path / "manifest.json").read_text())
     m["format_version"] = 99
     (tmp_path / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(ManifestError, match=r"format_version 99 is not supported.*version 1"):
+    with pytest.raises(ManifestError, match=r"format_version 99 is not supported.*versions 1/2"):
         open_cache(tmp_path)
 
 
@@ -247,15 +247,15 @@ def test_writer_sweeps_temp_files_of_killed_writers(tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_shard_of_another_format_version_is_refused_by_name(tmp_path, backend, monkeypatch):
-    """The manifest says version 1, but one shard was written by a version-2 writer: readers refuse it."""
+    """The manifest says version 2, but one shard was written by a version-3 writer: readers refuse it."""
     from cache_format.backends import get_backend
     write_cache(tmp_path / "new", make_records(20), shard_size=10, **writer_kwargs(backend))
     with monkeypatch.context() as m:
-        m.setattr(get_backend(backend), "FORMAT_VERSION", 2)
+        m.setattr(get_backend(backend), "FORMAT_VERSION", 3)
         write_cache(tmp_path / "v2", make_records(20), shard_size=10, **writer_kwargs(backend))
-    assert open_cache(tmp_path / "new")[15].sample_id == 15              # the same data at version 1 reads
+    assert open_cache(tmp_path / "new")[15].sample_id == 15              # the same data at version 2 reads
     name = _shard_rel(tmp_path / "v2", 0)
-    with pytest.raises(ShardError, match=rf"{name}: shard format version '?2'?, this reader reads 1"):
+    with pytest.raises(ShardError, match=rf"{name}: shard format version '?3'?, this reader reads 1/2"):
         open_cache(tmp_path / "v2")[0]
     rep = verify_cache(tmp_path / "v2")
     assert [w for w, _ in rep.problems] == [name, _shard_rel(tmp_path / "v2", 1)]

@@ -31,7 +31,7 @@ def hf_reference(teacher, recs, k):
     hf = HFTeacher(teacher, dtype="float32")
     scored = hf.score([r.input_ids for r in recs], [r.positions for r in recs], k)
     return hf, [SimpleNamespace(topk_ids=i, topk_logprobs=lp, tail_mass=tail_mass_from_logprobs(lp))
-                for i, lp in scored]
+                for i, lp, _ in scored]
 
 
 def test_vllm_cache_agrees_with_the_transformers_reference(tiny, tmp_path):

@@ -59,9 +59,10 @@ def test_the_hf_teacher_stores_the_log_probs_of_the_models_own_logits(arch, tmp_
     teacher = HFTeacher(str(tmp_path), dtype="float32", device="cpu")
     ids = torch.randint(3, V, (20,), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(4, 19)
-    (top_ids, top_lp), = teacher.score([ids.numpy().astype("int32")], [pos.numpy().astype("int32")], 8)
+    (top_ids, top_lp, target_lp), = teacher.score([ids.numpy().astype("int32")], [pos.numpy().astype("int32")], 8)
     with torch.no_grad():
         lp = torch.log_softmax(model(input_ids=ids[None]).logits[0, pos].float(), -1)
     want_lp, want_ids = lp.topk(8, -1)
     torch.testing.assert_close(torch.from_numpy(top_lp), want_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(target_lp), lp.gather(1, ids[pos + 1, None])[:, 0], rtol=1e-5, atol=1e-5)
     assert (torch.from_numpy(top_ids).long() == want_ids).float().mean() > 0.95      # ties may swap ranks

@@ -1,0 +1,96 @@
+"""Format 2's logical layout, shared by both backends: records <-> flat columns (SPEC.md section 4).
+
+Every shard holds the same columns, flat and CSR-indexed per sample:
+  per sample    sample_id int64, truncated bool
+  per token     input_ids int32                       (sample i: token_offsets[i]:token_offsets[i+1])
+  per position  positions int32, topk_counts uint16, tail_mass float32, target_logprobs float32 (NaN unknown)
+  per entry     topk_ids (uint16, or int32 where an id exceeds 65535), topk_values: topk_counts[p] entries per
+                position; float16/float32: ids and log-probs in rank order; sqrt8: see compact.py
+Encoding and decoding are vectorised over a whole block of samples: no per-position Python loop.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import compact
+from .record import Record
+
+
+@dataclass
+class Columns:
+    """A block of samples, flat. *_offsets are int64 [n + 1], starting at 0."""
+    sample_id: np.ndarray
+    truncated: np.ndarray
+    token_offsets: np.ndarray
+    input_ids: np.ndarray
+    position_offsets: np.ndarray
+    positions: np.ndarray
+    topk_counts: np.ndarray
+    tail_mass: np.ndarray
+    target_logprobs: np.ndarray
+    topk_ids: np.ndarray
+    topk_values: np.ndarray
+
+    @property
+    def entry_offsets(self):
+        """int64 [n + 1]: sample i's entries are topk_ids[entry_offsets[i]:entry_offsets[i+1]]."""
+        ends = np.concatenate([[0], np.cumsum(self.topk_counts, dtype=np.int64)])
+        return ends[self.position_offsets]
+
+
+PER_SAMPLE = ("sample_id", "truncated")
+PER_TOKEN = ("input_ids",)
+PER_POSITION = ("positions", "topk_counts", "tail_mass", "target_logprobs")
+PER_ENTRY = ("topk_ids", "topk_values")
+
+
+def offsets(lengths):
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def _cat(parts, dtype, empty_shape=(0,)):
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(empty_shape, dtype)
+
+
+def encode(records, *, top_k, logprob_dtype, id_dtype=None) -> Columns:
+    """Checked records (dense [P, k] rows, -1 ids past a row's count) -> Columns. id_dtype: of topk_ids
+    (default compact.id_dtype_of(records); a backend writing a shard in parts passes the shard's)."""
+    ids = _cat([r.topk_ids for r in records], np.int32, (0, top_k))
+    lps = _cat([r.topk_logprobs for r in records], np.float32, (0, top_k))
+    counts = (ids >= 0).sum(axis=1)
+    tid, tval = compact.pack_entries(ids, lps, counts, logprob_dtype, id_dtype or compact.id_dtype_of(records))
+    nan = np.float32(np.nan)
+    return Columns(
+        sample_id=np.array([r.sample_id for r in records], dtype=np.int64),
+        truncated=np.array([r.truncated for r in records], dtype=np.bool_),
+        token_offsets=offsets([len(r.input_ids) for r in records]),
+        input_ids=_cat([r.input_ids for r in records], np.int32),
+        position_offsets=offsets([len(r.positions) for r in records]),
+        positions=_cat([r.positions for r in records], np.int32),
+        topk_counts=counts.astype(np.uint16),
+        tail_mass=_cat([r.tail_mass for r in records], np.float32),
+        target_logprobs=_cat([np.full(len(r.positions), nan) if r.target_logprobs is None else r.target_logprobs
+                              for r in records], np.float32),
+        topk_ids=tid, topk_values=tval)
+
+
+class Decoded:
+    """A decoded block: record(i) for its i-th sample, views into dense padded [P, k] arrays."""
+
+    def __init__(self, cols: Columns, *, top_k, logprob_dtype):
+        self.cols = cols
+        self.ids, self.lps = compact.unpack_entries(cols.topk_counts, cols.topk_ids, cols.topk_values,
+                                                    logprob_dtype, top_k)
+        self.has_target = not np.isnan(cols.target_logprobs).all()
+
+    def __len__(self):
+        return len(self.cols.sample_id)
+
+    def record(self, i):
+        c = self.cols
+        t0, t1, p0, p1 = c.token_offsets[i], c.token_offsets[i + 1], c.position_offsets[i], c.position_offsets[i + 1]
+        return Record(int(c.sample_id[i]), c.input_ids[t0:t1], c.positions[p0:p1], self.ids[p0:p1],
+                      self.lps[p0:p1], c.tail_mass[p0:p1], bool(c.truncated[i]),
+                      c.target_logprobs[p0:p1] if self.has_target else None)
