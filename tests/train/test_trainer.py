@@ -319,3 +319,18 @@ def test_a_base_student_trains_without_flags_and_its_final_stops_like_the_teache
     start = prompt.shape[1]
     gen = model.generate(prompt, max_new_tokens=20, do_sample=False, logits_processor=[EndAfterTwo()])
     assert gen.shape[1] == start + 3 and int(gen[0, -1]) == im_end              # stock generate() stopped there
+
+
+@pytest.mark.parametrize("backend", ["zarr"])
+def test_a_format_1_cache_still_trains(backend, tmp_path):
+    """tests/fixtures/v1: a cache written by the last version-1 writer; a student of its tokenizer trains on it."""
+    import shutil
+    student = tmp_path / "student"
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "v1", "tokenizer"), student)
+    cache = os.path.join(ROOT, "tests", "fixtures", "v1", backend)
+    out = tmp_path / "o"
+    res = run([sys.executable, "-m", "kdcache", "train", "--cache", cache, "--student", str(student), "--out",
+               str(out), "--no-progress", "--max-steps", "3", "--batch-size", "2", "--save-every", "0"])
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    rows = losses(out)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["positions"] > 0 and r["kd"] > 0 for r in rows)
