@@ -327,7 +327,8 @@ def test_a_format_1_cache_still_trains(backend, tmp_path):
     import shutil
     student = tmp_path / "student"
     shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "v1", "tokenizer"), student)
-    cache = os.path.join(ROOT, "tests", "fixtures", "v1", backend)
+    cache = str(tmp_path / "cache")                     # a copy: a training run stamps the cache it reads
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "v1", backend), cache)
     out = tmp_path / "o"
     res = run([sys.executable, "-m", "kdcache", "train", "--cache", cache, "--student", str(student), "--out",
                str(out), "--no-progress", "--max-steps", "3", "--batch-size", "2", "--save-every", "0"])
