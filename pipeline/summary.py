@@ -5,6 +5,7 @@ import time
 from collections import Counter
 
 from cache_format.location import Location
+from cache_format.manifest import fidelity_text, teacher_ce_text
 from kdcache.config import dumps
 
 REPORT_DIR = "report"
@@ -42,6 +43,7 @@ def summary(cfg, writer, skipped, t_start, stats, shards_at_start):
         "teacher_s": round(stats.teacher_s, 1), "resumed": shards_at_start > 0,
         "loop_s": round(stats.loop_s, 2),       # first shard submitted -> last shard committed (startup excluded)
         "loop_tok_s": round(stats.tokens / stats.loop_s, 1) if stats.loop_s else None,
+        "fidelity": fidelity_text(m), "teacher_on_data": teacher_ce_text(m),
     }
     Location(cfg.out).write_bytes(f"{REPORT_DIR}/summary.json", json.dumps(s, indent=1).encode())
     _print(s, skipped)
@@ -68,6 +70,8 @@ def _print(s, skipped):
             ("truncated", s["truncated"]),
             ("tokens", f"{s['tokens']:,} ({s['positions']:,} scored positions)"),
             ("size", f"{s['bytes'] / 1e6:.2f} MB, {s['bytes_per_position']} B/position"),
+            ("stored fidelity", s["fidelity"]),
+            ("teacher on data", s["teacher_on_data"]),
             ("wall time", f"{s['wall_s']} s"),
             ("throughput", f"{s['loop_tok_s']:,} tokens/s after startup, {s['throughput_tok_s']:,} over the wall time"
              if s["tokens_this_run"] else "no teacher work")]
