@@ -16,6 +16,14 @@ EXT = "arrow"
 CODECS = ("lz4", "zstd", "none")
 DEFAULT_CODEC = "zstd"       # the smallest in bench/storage.py
 ROWS_PER_BATCH = 256
+ZSTD_LEVEL = 6               # vs pyarrow's 1: 17% fewer bytes (float16), 10% (sqrt8), write speed alike (bench)
+
+
+def _options(codec):
+    if codec == "none":
+        return pa.ipc.IpcWriteOptions(compression=None)
+    return pa.ipc.IpcWriteOptions(compression=pa.Codec(codec, compression_level=ZSTD_LEVEL)
+                                  if codec == "zstd" else codec)
 ARROW_TYPES = {np.dtype(np.int32): pa.int32(), np.dtype(np.uint16): pa.uint16(), np.dtype(np.uint8): pa.uint8(),
                np.dtype(np.float32): pa.float32(), np.dtype(np.float16): pa.float16()}
 # (column, numpy dtype or None where the shard decides it, which offsets index it)
@@ -49,7 +57,7 @@ def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_
         raise ShardError(f"{path}: arrow codec must be one of {CODECS}, got {codec!r}")
     id_dtype = id_dtype_of(records)
     sch = schema(top_k, logprob_dtype, id_dtype)
-    opts = pa.ipc.IpcWriteOptions(compression=None if codec == "none" else codec)
+    opts = _options(codec)
 
     def fill(tmp):
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, sch, options=opts) as w:
@@ -156,7 +164,7 @@ def field_bytes(path, codec=DEFAULT_CODEC):
     """{column: bytes}: each column of the shard written alone, in the shard's batches and codec (IPC files
     do not expose compressed sizes; a column's own file differs from its share by a few hundred bytes)."""
     table = pa.ipc.open_file(pa.memory_map(path, "r")).read_all()
-    opts = pa.ipc.IpcWriteOptions(compression=None if codec == "none" else codec)
+    opts = _options(codec)
     out = {}
     for name in table.column_names:
         part = table.select([name])
