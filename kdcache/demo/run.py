@@ -139,9 +139,9 @@ def main(argv=None):
     ap.add_argument("--stage", choices=STAGES, default="eval", help="stop after this stage")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (the test suite's version); no quality bars")
     ap.add_argument("--no-control", action="store_true", help="skip the control experiment (EOS removed)")
-    from pipeline.teacher import TEACHERS, pick_backend
-    ap.add_argument("--backend", choices=("auto", *TEACHERS), default="auto",
-                    help="teacher backend for precompute (auto: vLLM where installed)")
+    from pipeline.teacher import TEACHERS, choose_backend
+    ap.add_argument("--backend", choices=("auto", *(t for t in TEACHERS if t != "served")), default="auto",
+                    help="teacher backend for precompute (auto: vLLM with a CUDA GPU, transformers on CPU)")
     args = ap.parse_args(argv)
     p = QUICK if args.quick else FULL
     t0 = time.time()
@@ -153,9 +153,8 @@ def main(argv=None):
     if args.stage == "teacher":
         return 0
     variants = [False] if args.no_control else [False, True]
-    teacher_backend = pick_backend(args.backend)
-    why = f" (auto: the first of {list(TEACHERS)} that imports here)" if args.backend == "auto" else ""
-    say(f"teacher backend: {teacher_backend}{why}")
+    teacher_backend, why = choose_backend(args.backend)
+    say(f"teacher backend: {teacher_backend} ({'auto: ' if args.backend == 'auto' else ''}{why})")
     caches = {c: run_precompute(args.root, data_dir, teacher, p, c, teacher_backend) for c in variants}
     if args.stage == "precompute":
         return 0

