@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 from cache_format.backends import BACKENDS
+from cache_format.compact import LOGPROB_DTYPES
 from kdcache.config import field, validate
 
 from .teacher import TEACHERS
@@ -9,22 +10,30 @@ from .teacher import TEACHERS
 
 @dataclass
 class PrecomputeConfig:
-    teacher: str = field("", "teacher model directory (weights, config, tokenizer)")
+    teacher: str = field("", "teacher model directory (weights, config, tokenizer), or the URL of a vLLM server "
+                             "(http://HOST:PORT/v1, `vllm serve`; needs --tokenizer)")
+    teacher_revision: str | None = field(None, "served teacher: a name for the weights behind the URL (a commit, a "
+                                               "date), recorded in the fingerprint, which cannot hash remote weights")
     data: str = field("", "dataset: .jsonl, .parquet, or a datasets save_to_disk directory")
     out: str = field("", "cache directory or URL (s3://, gs://, ...) to write, resumed if it holds the same job; "
                          "or a store root (see --store)")
     store: bool = field(False, "treat --out as a store root: the cache goes to OUT/<alias>--<fingerprint>, and a "
                                "later run with the same inputs finds and reuses it (on by itself if OUT is a store)")
     alias: str | None = field(None, "store: readable name of a new cache (default: teacher-dataset-k<top_k>)")
-    tokenizer: str | None = field(None, "tokenizer directory (default: the teacher's)")
+    tokenizer: str | None = field(None, "tokenizer directory (default: the teacher's; required for a served teacher)")
     top_k: int = field(64, "teacher log-probs kept per position")
-    backend: str = field("auto", "teacher backend: vllm, hf, or auto (vllm if importable)",
+    backend: str = field("auto", "teacher backend: vllm, hf, served (a URL teacher), or auto: served for a URL, "
+                                 "vllm with a CUDA GPU, hf on CPU (faster there)",
                          choices=("auto", *TEACHERS))
     mode: str = field("score", "score the dataset's completions, or generate new ones with the teacher",
                       choices=("score", "generate"))
     format: str = field("arrow", "storage backend", choices=tuple(BACKENDS))
     codec: str | None = field(None, "compression codec (default: the backend's smallest)")
-    logprob_dtype: str = field("float16", "stored precision of log-probs", choices=("float16", "float32"))
+    logprob_dtype: str = field("float16", "how log-probs are stored: float16, float32, or sqrt8 (one byte: sqrt(p) "
+                                          "in 255 steps, entries ordered for compression; SPEC.md 4.3)",
+                               choices=LOGPROB_DTYPES)
+    top_p: float | None = field(None, "adaptive k: keep per position the smallest prefix of the top-k whose mass "
+                                      "reaches this (e.g. 0.999), plus the exact mass outside it; default: all k")
     template: str = field("auto", "render records with the tokenizer's chat template, or raw concatenation",
                           choices=("auto", "chat", "raw"))
     max_length: int | None = field(None, "maximum tokens per sample, prompt + completion (default: the teacher's "
@@ -35,10 +44,12 @@ class PrecomputeConfig:
                                choices=("fail", "skip"))
     shard_size: int = field(256, "samples per shard (the unit of work and of resume)")
     workers: int = field(1, "teacher workers (one per GPU; on CPU, a count)")
-    worker_cpus: float = field(1.0, "Ray CPUs reserved per worker (fractions allowed)")
+    worker_cpus: float | None = field(None, "Ray CPUs reserved per worker (fractions allowed; default 1, or 0.25 for "
+                                            "a served teacher, whose workers only wait on HTTP)")
     worker_gpus: float = field(-1.0, "Ray GPUs per worker; -1 = 1 if the cluster has GPUs, else 0")
     threads: int = field(0, "torch threads per hf worker (0 = all cores / workers)")
     max_in_flight: int = field(2, "shards queued per worker (bounds memory)")
+    requests_in_flight: int = field(8, "served teacher: HTTP requests in flight per worker (one sequence each)")
     batch_tokens: int = field(8192, "tokens per teacher forward batch")
     dtype: str = field("auto", "teacher compute dtype: auto = float32 on CPU, bfloat16 on GPU",
                        choices=("auto", "float32", "bfloat16", "float16"))
@@ -61,11 +72,13 @@ class PrecomputeConfig:
     def __post_init__(self):
         validate(self, required=("teacher", "data", "out"), checks=[
             ("top_k", 1 <= self.top_k <= 4096, "must be in [1, 4096]"),
+            ("top_p", self.top_p is None or 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("max_length", self.max_length is None or self.max_length >= 2, "must be >= 2"),
             ("shard_size", self.shard_size >= 1, "must be >= 1"),
             ("workers", self.workers >= 1, "must be >= 1"),
-            ("worker_cpus", self.worker_cpus > 0, "must be > 0"),
+            ("worker_cpus", self.worker_cpus is None or self.worker_cpus > 0, "must be > 0"),
             ("max_in_flight", self.max_in_flight >= 1, "must be >= 1"),
+            ("requests_in_flight", self.requests_in_flight >= 1, "must be >= 1"),
             ("batch_tokens", self.batch_tokens >= 1, "must be >= 1"),
             ("gen_max_new_tokens", self.gen_max_new_tokens >= 1, "must be >= 1"),
             ("gen_temperature", self.gen_temperature >= 0, "must be >= 0"),

@@ -25,7 +25,7 @@ from .data import iter_records, parse_record
 from .dispatch import RunStats, run_shards, worker_gpus
 from .encode import Encoder, document_end_id, end_of_turn_ids
 from .spool import Spool
-from .teacher import pick_backend
+from .teacher import choose_backend, is_url
 from .worker import WorkerSpec
 
 
@@ -37,6 +37,8 @@ class Job:
     tokenizer_id: dict       # cache_format.tokenizer_id.tokenizer_identity of the teacher's tokenizer
     eos_ids: list            # end-of-turn token ids
     teacher_backend: str     # a key of pipeline.teacher.TEACHERS (`auto` resolved)
+    backend_reason: str      # why that backend (printed, and recorded in the manifest's meta)
+    server: dict | None      # a served teacher: what its server reports (pipeline.teacher_served.server_info)
     gpus: float              # per worker
     dtype: str               # teacher compute dtype (`auto` resolved)
     vocab_size: int
@@ -53,9 +55,11 @@ class Job:
             self.teacher_backend, cfg.teacher,
             teacher_kwargs=dict(dtype=self.dtype, max_length=cfg.max_length, max_top_k=cfg.top_k, seed=cfg.seed,
                                 trust_remote_code=cfg.trust_remote_code, batch_tokens=cfg.batch_tokens,
-                                threads=threads),
+                                threads=threads,
+                                **({} if self.server is None else
+                                   dict(requests_in_flight=cfg.requests_in_flight, expect=self.server))),
             shard_kwargs=dict(backend=cfg.format, top_k=cfg.top_k, vocab_size=self.vocab_size,
-                              logprob_dtype=cfg.logprob_dtype, codec=codec),
+                              logprob_dtype=cfg.logprob_dtype, codec=codec, top_p=cfg.top_p),
             generate=gen)
 
 
@@ -63,7 +67,18 @@ def check_paths(cfg):
     """The teacher, tokenizer and dataset exist, before anything is loaded or started."""
     local = ("kdcache reads models from local directories: download a hub model first "
              "(huggingface-cli download NAME --local-dir DIR) and pass DIR")
-    if not os.path.isfile(os.path.join(cfg.teacher, "config.json")):
+    if is_url(cfg.teacher):
+        if cfg.backend not in ("auto", "served"):
+            raise ConfigError(f"backend: {cfg.backend!r} runs a local model directory, but the teacher is the URL "
+                              f"{cfg.teacher}; use --backend served (or auto)")
+        if not cfg.tokenizer:
+            raise ConfigError(f"tokenizer: required with a served teacher ({cfg.teacher}): pass --tokenizer DIR, a "
+                              "local copy of the served model's tokenizer files (and its config.json and "
+                              "generation_config.json where you have them); kdcache tokenizes here and sends ids")
+    elif cfg.backend == "served":
+        raise ConfigError(f"backend: served needs the teacher as the URL of a vLLM server (http://HOST:PORT/v1), "
+                          f"not {cfg.teacher!r}")
+    elif not os.path.isfile(os.path.join(cfg.teacher, "config.json")):
         raise ConfigError(f"teacher: {cfg.teacher} is not a model directory (no config.json there); {local}")
     if cfg.tokenizer and not os.path.isdir(cfg.tokenizer):
         raise ConfigError(f"tokenizer: {cfg.tokenizer} is not a directory; {local}")
@@ -93,6 +108,28 @@ def settle_max_length(cfg, model_config):
     return cfg
 
 
+def settle_served_max_length(cfg, server):
+    """settle_max_length for a served teacher: the server's max_model_len, less the one token of room a scoring
+    request needs (vLLM refuses a prompt that fills its context), capped at MAX_LENGTH_CAP by default."""
+    room = server["max_model_len"] - 1
+    if cfg.max_length is None:
+        return replace(cfg, max_length=min(room, MAX_LENGTH_CAP))
+    if cfg.max_length > room:
+        raise ConfigError(f"max_length: {cfg.max_length} is more than the teacher server takes: its max_model_len is "
+                          f"{server['max_model_len']} and a scoring request needs one token of room for the one it "
+                          f"generates; use --max-length {room} or less, or restart the server with a larger "
+                          "--max-model-len")
+    return cfg
+
+
+def served_model_config(cfg):
+    """The served model's config.json where the tokenizer directory has one (its vocabulary size), else None."""
+    if not os.path.isfile(os.path.join(cfg.tokenizer, "config.json")):
+        return None
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(cfg.tokenizer, trust_remote_code=cfg.trust_remote_code)
+
+
 def generation_eos_ids(model_dir):
     """The EOS ids of the teacher's generation_config.json (vLLM and transformers stop on them too: Qwen2.5
     stops on <|endoftext|> as well as <|im_end|>), so both backends stop on one recorded set."""
@@ -109,30 +146,68 @@ def settle(cfg, t_start):
     """The Job: tokenizer, end-of-turn ids, teacher backend, dtype and fingerprint parts."""
     from transformers import AutoConfig, AutoTokenizer
     check_paths(cfg)
-    model_config = AutoConfig.from_pretrained(cfg.teacher, trust_remote_code=cfg.trust_remote_code)
-    cfg = settle_max_length(cfg, model_config)
+    backend, reason = choose_backend(cfg.backend, cfg.teacher)
+    print(f"teacher backend: {backend} ({'auto: ' if cfg.backend == 'auto' else ''}{reason})")
+    server = None
+    if backend == "served":
+        from .teacher_served import server_info
+        if cfg.dtype != "auto":
+            raise ConfigError(f"dtype: {cfg.dtype!r} cannot be set for a served teacher: it computes in the server's "
+                              "dtype (vllm serve --dtype); drop --dtype")
+        server = server_info(cfg.teacher)
+        print(f"teacher server {cfg.teacher}: model {server['model']!r}, max_model_len {server['max_model_len']}, "
+              f"vLLM {server['vllm_version']}" + (f", revision {cfg.teacher_revision!r}" if cfg.teacher_revision
+                                                  else " (no --teacher-revision)"))
+        model_config = served_model_config(cfg)
+        cfg = settle_served_max_length(cfg, server)
+    else:
+        model_config = AutoConfig.from_pretrained(cfg.teacher, trust_remote_code=cfg.trust_remote_code)
+        cfg = settle_max_length(cfg, model_config)
+    if cfg.worker_cpus is None:       # a served teacher's workers only wait on HTTP
+        cfg = replace(cfg, worker_cpus=0.25 if server else 1.0)
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.teacher, trust_remote_code=cfg.trust_remote_code)
     text_end = document_end_id(tok, cfg.text_end)
-    extra = [tok.convert_tokens_to_ids(t) for t in cfg.eos_tokens] + generation_eos_ids(cfg.teacher) + [text_end]
+    extra = [tok.convert_tokens_to_ids(t) for t in cfg.eos_tokens] + \
+        generation_eos_ids(cfg.tokenizer if server else cfg.teacher) + [text_end]
     eos_ids = end_of_turn_ids(tok, extra)
     encoder = Encoder(tok, template=cfg.template, max_length=cfg.max_length, overlong=cfg.overlong,
                       eos_ids=eos_ids, mode=cfg.mode, drop_end_of_turn=cfg.drop_end_of_turn, text_end=text_end)
     if cfg.drop_end_of_turn:
         print("WARNING: --drop-end-of-turn leaves out every end-of-turn position (the bug kdcache exists to "
               "prevent); a student trained on this cache will not learn to stop.", file=sys.stderr)
-    backend = pick_backend(cfg.backend)
-    gpus = worker_gpus(cfg)
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if gpus > 0 else "float32")
-    vocab_size = (getattr(model_config, "text_config", None) or model_config).vocab_size
+    if server:
+        gpus = max(cfg.worker_gpus, 0.0)      # the GPUs are the server's
+        dtype = "server"
+    else:
+        gpus = worker_gpus(cfg)
+        dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if gpus > 0 else "float32")
+    if model_config is not None:
+        vocab_size = (getattr(model_config, "text_config", None) or model_config).vocab_size
+    else:
+        vocab_size = len(tok)
+        print(f"note: {cfg.tokenizer} has no config.json: the teacher's vocabulary size is taken from its tokenizer "
+              f"({vocab_size}); copy the served model's config.json there if its embeddings are padded beyond it")
     if cfg.top_k > vocab_size:
         raise ConfigError(f"top_k: {cfg.top_k} is more than the teacher's vocabulary of {vocab_size} tokens; "
                           f"use --top-k {vocab_size} or less")
+    if server:
+        from .teacher_served import check_top_k
+        check_top_k(cfg.teacher, server, cfg.top_k)
     tok_id = tokenizer_identity(tok)
-    parts = fingerprint_parts(cfg, tok_id, eos_ids, backend, dtype)
-    return Job(cfg, encoder, tok_id, eos_ids, backend, gpus, dtype, vocab_size, parts, t_start)
+    parts = fingerprint_parts(cfg, tok_id, eos_ids, backend, dtype, server)
+    return Job(cfg, encoder, tok_id, eos_ids, backend, reason, server, gpus, dtype, vocab_size, parts, t_start)
 
 
-def fingerprint_parts(cfg, tok_identity, eos_ids, backend, dtype):
+def teacher_part(cfg, server):
+    """The teacher's fingerprint part: its weights and config by content, or, for a served teacher, what its
+    server reports plus --teacher-revision (remote weights cannot be hashed: see the README)."""
+    if server is None:
+        return hash_tree(cfg.teacher)
+    return {"served_model": server["model"], "max_model_len": server["max_model_len"],
+            "vllm_version": server["vllm_version"], "revision": cfg.teacher_revision}
+
+
+def fingerprint_parts(cfg, tok_identity, eos_ids, backend, dtype, server=None):
     capture = {"mode": cfg.mode, "max_length": cfg.max_length, "overlong": cfg.overlong,
                "template": cfg.template, "eos_token_ids": eos_ids, "backend": backend, "dtype": dtype,
                "on_bad_record": cfg.on_bad_record, "text_end": cfg.text_end}
@@ -142,7 +217,7 @@ def fingerprint_parts(cfg, tok_identity, eos_ids, backend, dtype):
         capture.update(max_new_tokens=cfg.gen_max_new_tokens, temperature=cfg.gen_temperature,
                        top_p=cfg.gen_top_p, seed=cfg.seed)
     return {
-        "teacher": hash_tree(cfg.teacher),                 # weights + config, by content
+        "teacher": teacher_part(cfg, server),              # weights + config, by content (or the server's word)
         "tokenizer": hash_json(tok_identity),
         "data": hash_tree(cfg.data),
         "capture": capture,
@@ -155,8 +230,8 @@ def run_precompute(cfg):
     # Everything the cache depends on is known before reading the dataset: fingerprint first, so a
     # finished cache (here or in a store) is found and reused without a teacher or a tokenizer pass.
     fp, full_parts = cache_fingerprint(job.parts, backend=cfg.format, top_k=cfg.top_k,
-                                       logprob_dtype=cfg.logprob_dtype, codec=cfg.codec)
-    job.cfg = cfg = replace(cfg, out=cache_location(cfg, fp))
+                                       logprob_dtype=cfg.logprob_dtype, codec=cfg.codec, top_p=cfg.top_p)
+    job.cfg = cfg = replace(cfg, out=cache_location(cfg, fp, job.server))
     done = existing_manifest(cfg.out, fp, full_parts)
     if done is not None and done["complete"]:
         print(f"{cfg.out}: a complete cache of these inputs exists (fingerprint {fp[:16]}); reusing it: "
@@ -174,20 +249,27 @@ def run_precompute(cfg):
             os.rmdir(cfg.out)              # a job refused before writing anything leaves nothing behind
 
 
-def default_alias(cfg):
+def teacher_name(cfg, server=None):
+    """A short name of the teacher: its directory's, or the served model's."""
+    if server:
+        return os.path.basename(server["model"].rstrip("/")) or server["model"]
+    return os.path.basename(os.path.abspath(cfg.teacher))
+
+
+def default_alias(cfg, server=None):
     data = os.path.basename(cfg.data.rstrip("/")).split(".")[0]
-    teacher = os.path.basename(os.path.abspath(cfg.teacher))
+    teacher = teacher_name(cfg, server)
     return f"{teacher}-{data}-k{cfg.top_k}" + ("-gen" if cfg.mode == "generate" else "")
 
 
-def cache_location(cfg, fp):
+def cache_location(cfg, fp, server=None):
     """The cache directory: --out itself, or, when --out is a store root, the store's cache for fingerprint fp."""
     if not (cfg.store or is_store(cfg.out)):
         return cfg.out
     if Location(cfg.out).exists("manifest.json"):
         raise CacheError(f"{cfg.out} is a cache, not a store root: drop --store to resume it, or name another "
                          "directory as the store")
-    where, found = resolve_in_store(cfg.out, fp, cfg.alias or default_alias(cfg))
+    where, found = resolve_in_store(cfg.out, fp, cfg.alias or default_alias(cfg, server))
     print(f"store {cfg.out}: " + (f"found the cache of these inputs: {where}" if found
                                   else f"no cache of these inputs yet; writing {where}"))
     return where
@@ -226,16 +308,20 @@ def run_job(job, spool):
     cfg = job.cfg
     n_records, skipped = scan(cfg, job.encoder, spool)
     n_units = num_shards(n_records, cfg.shard_size)
-    meta = {"teacher": os.path.basename(os.path.abspath(cfg.teacher)), "dataset": os.path.basename(cfg.data),
-            "mode": cfg.mode, "teacher_backend": job.teacher_backend, "dtype": job.dtype,
+    meta = {"teacher": teacher_name(cfg, job.server), "dataset": os.path.basename(cfg.data),
+            "mode": cfg.mode, "teacher_backend": job.teacher_backend, "teacher_backend_reason": job.backend_reason,
+            "dtype": job.dtype,
             "tokenizer": job.tokenizer_id, "records": n_records,
             "text_end": job.encoder.tok.convert_ids_to_tokens(job.encoder.text_end),
             "chat_template": job.encoder.tok.chat_template if isinstance(job.encoder.tok.chat_template, str) else None,
             "skipped": dict(Counter(s["reason"] for s in skipped))}
+    if job.server:
+        meta["teacher_server"] = {"url": cfg.teacher, **job.server, "revision": cfg.teacher_revision}
     writer = CacheWriter(cfg.out, backend=cfg.format, top_k=cfg.top_k, vocab_size=job.vocab_size,
                          eos_token_ids=job.eos_ids, fingerprint_parts=job.parts, shard_size=cfg.shard_size,
                          num_records=n_records,
-                         logprob_dtype=cfg.logprob_dtype, codec=cfg.codec, meta=meta)
+                         logprob_dtype=cfg.logprob_dtype, codec=cfg.codec, top_p=cfg.top_p,
+                         meta=meta)
     with writer:
         report.save_reports(cfg, skipped)
         todo = set(range(n_units)) - writer.done_indices()
