@@ -61,6 +61,9 @@ def test_eos_position_present_and_equal_to_direct_forward(mixed, tiny):
         np.testing.assert_allclose(rec.topk_logprobs, want_lp.numpy(), atol=4e-3)   # float16 storage
         tail = 1 - want_lp.double().exp().sum(-1).numpy()
         np.testing.assert_allclose(rec.tail_mass, tail, atol=1e-5)
+        pos = torch.as_tensor(rec.positions.astype(np.int64))       # the data's own next token, at any rank
+        want_target = lp[pos, torch.as_tensor(rec.targets.astype(np.int64))].numpy()
+        np.testing.assert_allclose(rec.target_logprobs, want_target, atol=1e-5)
 
 
 def test_multi_turn_trains_every_assistant_turn_and_no_user_turn(mixed, tiny):
@@ -96,9 +99,11 @@ def test_bad_record_fails_by_default_naming_file_and_line(mixed, tmp_path):
 
 
 def test_kill9_then_resume_equals_uninterrupted(tiny, tmp_path):
+    """In the compact mode (ragged rows, sqrt8), so the whole pipeline runs it too. The random-init teacher is
+    flat (its top 8 hold about 3% of the mass): --top-p 0.01 keeps a few entries per position."""
     data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:60])
     common = ["--teacher", tiny["teacher"], "--data", data, "--backend", "hf", "--top-k", 8, "--shard-size", 2,
-              "--format", "zarr", "--workers", 1]
+              "--format", "zarr", "--workers", 1, "--logprob-dtype", "sqrt8", "--top-p", 0.01]
     ref = precompute(*common, "--out", tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr
 
@@ -130,9 +135,10 @@ def test_kill9_then_resume_equals_uninterrupted(tiny, tmp_path):
     assert len(a) == len(b) == 60 and b.complete
     for ra, rb in zip(a, b):
         assert ra.sample_id == rb.sample_id
-        for f in ("input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass"):
+        for f in ("input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass", "target_logprobs"):
             np.testing.assert_array_equal(getattr(ra, f), getattr(rb, f))
     assert verify_cache(out).ok
+    assert (np.concatenate([r.topk_counts for r in a]) < 8).any()       # the rows really are ragged
 
 
 def test_generate_mode_stores_teacher_completions(tiny, tmp_path):
