@@ -92,7 +92,8 @@ def main():
           f"{'write tok/s':>13}{'read tok/s':>13}{'random rec/s':>14}")
     combos = [("arrow", "lz4", "float16"), ("arrow", "zstd", "float16"), ("arrow", "none", "float16"),
               ("zarr", "zstd", "float16"), ("zarr", "blosc-zstd", "float16"), ("zarr", "none", "float16"),
-              ("arrow", "lz4", "float32"), ("zarr", "zstd", "float32")]
+              ("arrow", "lz4", "float32"), ("zarr", "zstd", "float32"),
+              ("arrow", "zstd", "sqrt8"), ("zarr", "blosc-zstd", "sqrt8")]
     for backend, codec, dtype in combos:
         r = run(recs, backend, codec, dtype, args.k, args.vocab, args.shard_size)
         print(f"{backend:<8}{codec:<12}{dtype:<10}{r['bpt']:>9.1f}{r['bpt'] / raw:>8.2f}"
