@@ -5,13 +5,11 @@ and how to load it with kdcache, Hugging Face `datasets` and DuckDB. It is writt
 not part of the format (SPEC.md): readers ignore it.
 """
 from .backends import default_codec
+from .compact import BOUNDS
 from .location import as_location
 from .manifest import fidelity_text, load_manifest, teacher_ce_text
 
 CARD = "README.md"
-FIDELITY = {"float16": "float16 (about 3 significant digits; |error| <= 2^-11 relative)",
-            "float32": "float32 (as the teacher computed them)",
-            "sqrt8": "sqrt8 (sqrt(p) in 255 steps; |error in sqrt(p)| <= 1/510)"}
 
 
 def card_text(m, where):
@@ -31,7 +29,7 @@ def card_text(m, where):
         ("top-k", m["top_k"]),
         ("end-of-turn ids", m["eos_token_ids"]),
         ("storage", f"{m['backend']} shards, codec {codec}"),
-        ("log-probs", FIDELITY.get(m["logprob_dtype"], m["logprob_dtype"]) + "; tail mass float32"),
+        ("log-probs", BOUNDS.get(m["logprob_dtype"], m["logprob_dtype"]) + "; tail mass float32"),
         ("entries per position", f"top-p {m['top_p']}, at most {m['top_k']}" if m.get("top_p") else m["top_k"]),
         ("stored fidelity", fidelity_text(m)),
         ("teacher on the data", teacher_ce_text(m)),

@@ -8,6 +8,7 @@ from .card import CARD
 from .errors import CacheError, ManifestMissing
 from .location import Location
 from .backends import default_codec, get_backend
+from .compact import BOUNDS
 from .manifest import fidelity_text, load_manifest, safe_shard_path, teacher_ce_text
 from .store import gc, is_store, list_caches
 from .verify import verify_cache
@@ -61,6 +62,7 @@ def inspect_main(argv=None):
         ("eos_token_ids", m["eos_token_ids"]),
         ("size", f"{c['bytes'] / 1e6:.2f} MB, " + (f"{derived['bytes_per_position']:.1f} B/position"
                                                    if c["positions"] else "no positions")),
+        ("log-probs", BOUNDS.get(m["logprob_dtype"], m["logprob_dtype"]) + "; tail mass, target log-probs float32"),
         ("fidelity", fidelity_text(m)),
         ("teacher on data", teacher_ce_text(m)),
         ("fingerprint", m["fingerprint"][:16]),
