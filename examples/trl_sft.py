@@ -14,7 +14,8 @@ from trl import SFTConfig, SFTTrainer
 
 import kdcache
 
-FIELDS = ("sample_id", "input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass", "truncated")
+FIELDS = ("sample_id", "input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass", "truncated",
+          "target_logprobs")
 
 
 class KDSFTTrainer(SFTTrainer):
@@ -29,7 +30,8 @@ def rows(cache, shuffle):
 
 
 def to_record(row):
-    return kdcache.Record(**{k: v if k in ("sample_id", "truncated") else np.asarray(v) for k, v in row.items()})
+    return kdcache.Record(**{k: v if k in ("sample_id", "truncated") or v is None else np.asarray(v)
+                             for k, v in row.items()})
 
 
 def main():

@@ -8,8 +8,8 @@ The public API, for training with a cache in any loop (Hugging Face Trainer, TRL
                                    exactly; ranks and DataLoader workers read disjoint shares
     collate(records, *, pad_id, student_vocab, pack_len=0) -> Batch
                                    input_ids (R, T), attention_mask, position_ids, the trained positions
-                                   (batch_index, positions, targets: N each), topk_ids / topk_logprobs (N, k),
-                                   tail_mass (N,)
+                                   (batch_index, positions, targets: N each), topk_ids / topk_logprobs (N, k)
+                                   or (N, k + 1) with the target's own bucket (-1 = no entry), tail_mass (N,)
     kd_loss(logits, batch, **loss_settings) -> loss
                                    generalized JSD / forward / reverse KL with the tail bucket, temperature and
                                    SFT term, exactly as `kdcache train`; logits (R, T, V) or (N, V)
