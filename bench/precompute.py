@@ -1,17 +1,25 @@
-"""Precompute overhead: the whole pipeline against the raw teacher backend, in one run.
+"""Precompute overhead: the whole pipeline against the raw teacher backend, steady state and whole process.
 
-    .venv/bin/python bench/precompute.py [--records 6000] [--k 64] [--backend vllm] [--shard-size 500]
+    .venv/bin/python bench/precompute.py [--samples 2000] [--k 64] [--backend vllm] [--shard-size 500]
+                                         [--repeat 1] [--warmup] [--no-steady]
 
-Same teacher (the demo's, built under runs/demo if missing), same token ids and positions, same k,
-same per-shard batches. "raw" calls the backend's score() directly in this process; "pipeline" is
-`kdcache precompute` (tokenizing, Ray, one worker, writing and committing shards), timed from the
-first shard submitted to the last shard committed, so engine start-up is excluded from both.
-Overhead = pipeline time / raw time - 1 (goal: under 10%).
+Same teacher (the demo's, built under runs/demo if missing), same token ids and positions, same k.
+
+- Steady state: "raw" calls the backend's score() directly in this process on the same per-shard batches;
+  "pipeline" is `kdcache precompute` (tokenizing, Ray, one worker, writing and committing shards), timed from
+  the first shard submitted to the last shard committed, so engine start-up is excluded from both.
+  Overhead = pipeline time / raw time - 1 (goal: under 10%).
+- Whole process, start-up included (vLLM only): the wall time of `kdcache precompute --backend vllm` end to end
+  (a subprocess, fresh output directory) against a minimal script (also a subprocess, timed end to end, Python
+  and vLLM imports included) that loads the same vLLM engine (dtype float32, max_model_len, max_logprobs, batch
+  tokens) and scores the same token ids with prompt_logprobs in one call, writing nothing.
+  Ratio = minimal / kdcache (goal: >= 0.95). --repeat N alternates the two N times and reports medians.
 """
 import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -19,6 +27,36 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+MAX_LENGTH = 256
+BATCH_TOKENS = 8192
+
+# The minimal script: what a user would write to get the same numbers out of vLLM, nothing else. Its engine
+# settings are pipeline.teacher_vllm.VLLMTeacher's for this bench's job.
+MINIMAL = r'''
+import json, os, sys, time
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+from vllm import LLM, SamplingParams, TokensPrompt
+
+
+def main():
+    teacher, ids_path, k, max_len, batch_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
+        int(sys.argv[5])
+    seqs = json.load(open(ids_path))
+    llm = LLM(model=teacher, tokenizer=teacher, dtype="float32", max_model_len=max_len, max_logprobs=k + 1, seed=0,
+              gpu_memory_utilization=0.85, skip_tokenizer_init=False,
+              max_num_batched_tokens=max(batch_tokens, max_len), enable_prefix_caching=False)
+    t0 = time.perf_counter()
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False)
+    n = sum(len(o.prompt_logprobs.start_indices) for o in outs)
+    print(json.dumps({"sequences": len(outs), "positions": n, "score_s": time.perf_counter() - t0}))
+
+
+if __name__ == "__main__":     # vLLM starts its engine process with spawn
+    main()
+'''
 
 
 def ensure_teacher():
@@ -28,13 +66,47 @@ def ensure_teacher():
     return teacher
 
 
+def run_kdcache(args, teacher, data, out):
+    """`kdcache precompute` in a subprocess into a fresh directory: (wall seconds, summary.json)."""
+    shutil.rmtree(out, ignore_errors=True)
+    env = dict(os.environ, RAY_ADDRESS="")
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "kdcache", "precompute", "--teacher", teacher, "--data", data,
+                          "--out", out, "--backend", args.backend, "--top-k", str(args.k), "--shard-size",
+                          str(args.shard_size), "--max-length", str(MAX_LENGTH), "--batch-tokens", str(BATCH_TOKENS),
+                          "--worker-cpus", "0.5", "--no-progress"],
+                         cwd=ROOT, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if res.returncode:
+        sys.exit(res.stderr[-3000:])
+    return wall, json.load(open(os.path.join(out, "report", "summary.json")))
+
+
+def run_minimal(args, teacher, ids_path, work):
+    """The minimal vLLM script in a subprocess: (wall seconds, what it printed)."""
+    script = os.path.join(work, "minimal.py")
+    with open(script, "w") as f:
+        f.write(MINIMAL)
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, script, teacher, ids_path, str(args.k), str(MAX_LENGTH),
+                          str(BATCH_TOKENS)], cwd=work, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if res.returncode:
+        sys.exit(res.stderr[-3000:])
+    return wall, json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--records", type=int, default=6000)
+    ap.add_argument("--samples", "--records", dest="records", type=int, default=2000,
+                    help="chats in the dataset (2,000 is the reference size of the whole-process figure)")
     ap.add_argument("--k", type=int, default=64)
     from pipeline.teacher import TEACHERS
     ap.add_argument("--backend", default="vllm", choices=tuple(TEACHERS))
     ap.add_argument("--shard-size", type=int, default=500)
+    ap.add_argument("--repeat", type=int, default=1, help="whole-process runs of each side (medians reported)")
+    ap.add_argument("--warmup", action="store_true", help="one untimed run of the minimal script first (file cache)")
+    ap.add_argument("--no-steady", action="store_true", help="skip the in-process steady-state comparison")
     args = ap.parse_args()
     teacher = ensure_teacher()
     work = tempfile.mkdtemp(prefix="kdbench-pre-")
@@ -50,36 +122,58 @@ def main():
         from pipeline.data import iter_records, parse_record
         from pipeline.encode import Encoder
         tok = AutoTokenizer.from_pretrained(teacher)
-        enc = Encoder(tok, max_length=256)
+        enc = Encoder(tok, max_length=MAX_LENGTH)
         items = [enc.encode(parse_record(r.data)) for r in iter_records(data)]
         tokens = sum(len(e.input_ids) for e in items)
         shards = [items[i:i + args.shard_size] for i in range(0, len(items), args.shard_size)]
-
-        from pipeline.teacher import make_teacher
-        backend = make_teacher(args.backend, teacher, dtype="float32", max_length=256, max_top_k=args.k,
-                               batch_tokens=8192)
-        backend.score([shards[0][0].input_ids], [shards[0][0].positions], args.k)       # warm-up
-        t0 = time.perf_counter()
-        for sh in shards:
-            backend.score([e.input_ids for e in sh], [e.positions for e in sh], args.k)
-        raw = time.perf_counter() - t0
-        del backend
-
+        ids_path = os.path.join(work, "ids.json")
+        with open(ids_path, "w") as f:
+            json.dump([e.input_ids.tolist() for e in items], f)
         out = os.path.join(work, "cache")
-        res = subprocess.run([sys.executable, "-m", "kdcache", "precompute", "--teacher", teacher, "--data", data,
-                              "--out", out, "--backend", args.backend, "--top-k", str(args.k), "--shard-size",
-                              str(args.shard_size), "--max-length", "256", "--worker-cpus", "0.5", "--no-progress"],
-                             cwd=ROOT, capture_output=True, text=True)
-        if res.returncode:
-            sys.exit(res.stderr[-3000:])
-        summary = json.load(open(os.path.join(out, "report", "summary.json")))
-        pipe = summary["loop_s"]
-        print(f"{args.records} records, {tokens:,} tokens, {len(shards)} shards, k={args.k}, backend {args.backend}")
-        print(f"{'':<28}{'seconds':>9}{'tokens/s':>11}")
-        print(f"{'raw backend score()':<28}{raw:>9.2f}{tokens / raw:>11,.0f}")
-        print(f"{'pipeline (Ray, write, commit)':<28}{pipe:>9.2f}{tokens / pipe:>11,.0f}")
-        print(f"overhead: {pipe / raw - 1:+.1%}   (pipeline wall time incl. startup: {summary['wall_s']} s; "
-              f"{summary['bytes_per_position']} B/position)")
+        print(f"{args.records} records, {tokens:,} tokens, {len(shards)} shards, k={args.k}, backend {args.backend}, "
+              f"{os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f} at the start)", flush=True)
+
+        # Whole process: alternate the two sides so drifting load on the machine hits both alike.
+        walls, minimal, summary = [], [], None
+        if args.warmup and args.backend == "vllm":
+            run_minimal(args, teacher, ids_path, work)
+        for i in range(args.repeat if args.backend == "vllm" else 0):
+            m_wall, m_out = run_minimal(args, teacher, ids_path, work)
+            assert m_out["sequences"] == len(items), m_out
+            k_wall, summary = run_kdcache(args, teacher, data, out)
+            minimal.append(m_wall)
+            walls.append(k_wall)
+            print(f"  run {i + 1}: minimal vLLM script {m_wall:.1f} s (of which scoring {m_out['score_s']:.1f} s), "
+                  f"kdcache precompute {k_wall:.1f} s (first shard submitted at "
+                  f"{summary.get('startup', {}).get('first_submit_s', '?')} s)", flush=True)
+        if summary is None:
+            k_wall, summary = run_kdcache(args, teacher, data, out)
+            walls.append(k_wall)
+
+        if not args.no_steady:
+            from pipeline.teacher import make_teacher
+            backend = make_teacher(args.backend, teacher, dtype="float32", max_length=MAX_LENGTH, max_top_k=args.k,
+                                   batch_tokens=BATCH_TOKENS)
+            backend.score([shards[0][0].input_ids], [shards[0][0].positions], args.k)       # warm-up
+            t0 = time.perf_counter()
+            for sh in shards:
+                backend.score([e.input_ids for e in sh], [e.positions for e in sh], args.k)
+            raw = time.perf_counter() - t0
+            del backend
+            pipe = summary["loop_s"]
+            print(f"{'steady state':<34}{'seconds':>9}{'tokens/s':>11}")
+            print(f"{'raw backend score()':<34}{raw:>9.2f}{tokens / raw:>11,.0f}")
+            print(f"{'pipeline (Ray, write, commit)':<34}{pipe:>9.2f}{tokens / pipe:>11,.0f}")
+            print(f"overhead: {pipe / raw - 1:+.1%}   ({summary['bytes_per_position']} B/position)")
+        if minimal:
+            m, w = statistics.median(minimal), statistics.median(walls)
+            print(f"{'whole process, start-up included':<34}{'seconds':>9}")
+            print(f"{'minimal vLLM script':<34}{m:>9.1f}")
+            print(f"{'kdcache precompute --backend vllm':<34}{w:>9.1f}")
+            print(f"ratio minimal / kdcache: {m / w:.3f}   (goal >= 0.95; kdcache at most {m / 0.95:.1f} s)"
+                  + (f"; medians of {len(minimal)}" if len(minimal) > 1 else ""))
+        else:
+            print(f"kdcache precompute wall time, start-up included: {walls[0]:.1f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -1,14 +1,28 @@
-"""Shards through teacher workers on Ray: bounded in-flight work, commit on return, stop on a signal.
+"""Shards through teacher workers on Ray: started early, fed as the spool fills, bounded in-flight work, commit on
+return, stop on a signal.
+
+Start-up overlaps (pipeline/job.py decides when): Ray starts in a background thread (RayStarter), at the job's
+start where the job will most likely need it, and the teacher actors are created the moment it is up
+(prestart_workers), importing what a teacher needs while the driver settles the job; they load the teacher once
+the settled spec reaches them, while the driver reads and tokenizes the dataset (job.scan), calling
+Dispatcher.pump after every record: a shard whose records have all been read goes to a ready worker at once.
+Results are committed only once the whole dataset has been read without error (a malformed record under
+--on-bad-record fail still stops the job before anything is committed); after that, Dispatcher.run commits each
+shard as it returns.
 
 The driver holds the cache's writer lock and is the only process that commits; workers only write
 shard files (pipeline/worker.py). A worker that dies fails the job with the committed shards intact.
 """
+import logging
 import os
+import signal
+import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from cache_format.errors import Interrupted, WorkerDied
-from kdcache.signals import StopFlag
+from kdcache.signals import SIGNALS, StopFlag
 
 from .worker import TeacherWorker, Unit
 
@@ -19,6 +33,14 @@ class RunStats:
     teacher_s: float = 0.0   # summed over workers
     loop_s: float = 0.0      # first shard submitted -> last shard committed (start-up excluded)
     stopped: bool = False    # a signal stopped the run early
+    startup: dict = field(default_factory=dict)   # seconds from the job's start: see Dispatcher
+
+
+class _NotMainThread(logging.Filter):
+    """Ray warns that it sets no SIGTERM handler when started off the main thread: the job installs its own."""
+
+    def filter(self, record):
+        return "not the main thread" not in record.getMessage()
 
 
 def start_ray(ray_address):
@@ -27,12 +49,74 @@ def start_ray(ray_address):
     import ray
     if not ray.is_initialized():
         address = ray_address or os.environ.get("RAY_ADDRESS")
+        if threading.current_thread() is not threading.main_thread():
+            logging.getLogger("ray._private.worker").addFilter(_NotMainThread())
         if address:
             ray.init(address=address, log_to_driver=False)
         else:
             ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                      _node_ip_address="127.0.0.1", configure_logging=False)
     return ray
+
+
+def own_ray(ray_address):
+    """Whether the job starts (and so shuts down) its Ray, rather than joining a cluster."""
+    return not (ray_address or os.environ.get("RAY_ADDRESS"))
+
+
+class RayStarter:
+    """start_ray in a background thread, so the driver settles the job and reads the dataset meanwhile.
+
+    The thread lives until close(): Ray's processes are started with PR_SET_PDEATHSIG, which fires when the
+    thread that started them ends, not the process."""
+
+    def __init__(self, ray_address, prestart=None):
+        """prestart(ray): called in the thread once Ray is up; returns (actors, their options), kept in
+        self.prestarted for the Dispatcher (prestart_workers)."""
+        self.ray_address, self.prestart = ray_address, prestart
+        self.ray, self.error, self.up_at, self.prestarted = None, None, None, None
+        self._up, self._release = threading.Event(), threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kdcache ray start", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        try:
+            self.ray = start_ray(self.ray_address)
+            self.up_at = time.time()
+            if self.prestart is not None:
+                try:
+                    self.prestarted = self.prestart(self.ray)
+                except Exception:         # only a head start: the Dispatcher starts its own
+                    self.prestarted = None
+        except BaseException as e:        # raised in the driver by get()
+            self.error = e
+        finally:
+            self._up.set()
+        self._release.wait()
+
+    def ready(self):
+        return self._up.is_set()
+
+    def get(self):
+        self._up.wait()
+        if self.error is not None:
+            raise self.error
+        return self.ray
+
+    def close(self):
+        """Shut down the job's own Ray (call while the job's signal handlers stand: Ray's own SIGTERM handler would
+        exit mid-shutdown), then let the thread end. Waits for a start still in progress. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._up.wait()
+        try:
+            if self.ray is not None and own_ray(self.ray_address):
+                self.ray.shutdown()
+        finally:
+            self._release.set()
+            self._thread.join()
 
 
 def worker_gpus(cfg):
@@ -46,25 +130,22 @@ def worker_gpus(cfg):
     return 1.0 if torch.cuda.is_available() else 0.0
 
 
+def unit_samples(reader, j, shard_size):
+    """Shard j's samples (records [j*shard_size, (j+1)*shard_size)) from a SpoolReader, skipping those of earlier
+    shards nobody asked for. Shards are taken in increasing order."""
+    lo, hi = j * shard_size, (j + 1) * shard_size
+    return [s for s in reader.take(hi) if s.sample_id >= lo]
+
+
 def iter_units(shard_size, spool, todo):
     """Yield (shard index, [Sample]) for the shards in `todo`, from the spooled samples (empty shards too)."""
-    pending = sorted(todo)
-    current, items = None, []
-    for sample in spool:
-        j = sample.sample_id // shard_size
-        if j != current:
-            while pending and pending[0] < j:          # shards before j, including ones whose records were all skipped
-                k = pending.pop(0)
-                yield k, (items if k == current else [])
-            current, items = j, []
-        if pending and pending[0] == j:
-            items.append(sample)
-    while pending:
-        k = pending.pop(0)
-        yield k, (items if k == current else [])
+    reader = spool.reader()
+    for j in sorted(todo):
+        yield j, unit_samples(reader, j, shard_size)
 
 
 def start_workers(cfg, ray, spec, gpus, n, remote_out):
+    """n teacher actors, created now; each loads the teacher in its constructor (wait on its ready())."""
     opts = dict(num_cpus=cfg.worker_cpus, num_gpus=gpus)
     if cfg.ray_address and remote_out and cfg.ray_pass_credentials:
         # Only when asked: a runtime_env is visible to everyone who can use the cluster. By default the
@@ -72,53 +153,207 @@ def start_workers(cfg, ray, spec, gpus, n, remote_out):
         creds = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_", "FSSPEC_"))}
         opts["runtime_env"] = {"env_vars": creds}
     actor = ray.remote(TeacherWorker).options(**opts)
-    workers = [actor.remote(spec) for _ in range(n)]
-    ray.get([w.ready.remote() for w in workers])
-    return workers
+    return [actor.remote(spec) for _ in range(n)]
 
 
-def run_shards(cfg, writer, spool, todo, spec, gpus, n_records, bar):
-    """Run the shards in `todo` through min(workers, shards) teacher actors; commit each as it returns."""
-    ray = start_ray(cfg.ray_address)
-    workers = start_workers(cfg, ray, spec, gpus, min(cfg.workers, len(todo)), writer.location.remote)
-    flag = StopFlag("finishing the shards in flight, then stopping (rerun the same command to resume).",
-                    exit_on_second=True).install()
-    pending, free = {}, list(workers) * cfg.max_in_flight
-    stats, t0 = RunStats(), time.perf_counter()
-    units = iter_units(cfg.shard_size, spool, todo)
-    try:
+def prestart_workers(cfg):
+    """A prestart for RayStarter: the job's teacher actors, created the moment Ray is up, before the job is settled,
+    with the options settle will give them (--worker-cpus, else 1; --worker-gpus, else 1 where CUDA is visible).
+    Each imports what a local teacher needs meanwhile (TeacherWorker without a spec) and loads the teacher once the
+    Dispatcher sends the settled spec (load). For a local teacher and a Ray of the job's own."""
+    def prestart(ray):
+        opts = dict(num_cpus=cfg.worker_cpus if cfg.worker_cpus is not None else 1.0, num_gpus=worker_gpus(cfg))
+        actor = ray.remote(TeacherWorker).options(**opts)
+        return [actor.remote() for _ in range(cfg.workers)], opts
+    return prestart
+
+
+class Dispatcher:
+    """The shards in `todo` through min(workers, shards) teacher actors, for one job.
+
+    During the scan, pump(records read) starts the actors once Ray is up, hands each ready worker the next shard
+    whose records have all been read, and keeps what comes back; after the scan, run() commits those and the rest
+    as they return. stats.startup records, in seconds from the job's start: ray_s (Ray up), workers_ready_s (the
+    first teacher loaded), first_submit_s, scan_s (the dataset read), first_commit_s.
+    """
+
+    POLL_S = 0.05       # how often pump looks at Ray while the scan runs
+
+    def __init__(self, cfg, writer, starter, spec, gpus, todo, n_records, spool, t_start):
+        self.cfg, self.writer, self.starter, self.spec, self.gpus = cfg, writer, starter, spec, gpus
+        self.units = deque(sorted(todo))              # still to submit, in order
+        self.n_workers = min(cfg.workers, len(todo))
+        self.n_records, self.spool, self.reader = n_records, spool, spool.reader()
+        self.t_start = t_start
+        self.scanned, self.scan_done, self.hold_back = 0, False, False
+        self.ray, self.workers = None, None
+        self.starting, self.pending, self.free, self.held = {}, {}, [], []
+        self.stats, self.bar = RunStats(), None
+        self._t0, self._last_poll = None, 0.0
+        self.flag = StopFlag("finishing the shards in flight, then stopping (rerun the same command to resume).",
+                             exit_on_second=True).install()
+
+    def _mark(self, what):
+        self.stats.startup.setdefault(what, round(time.time() - self.t_start, 2))
+
+    # -- during the scan
+    def pump(self, scanned, hold_back=False):
+        """The scan has read `scanned` records (spooled); hold_back: it found a record that will fail the job, so
+        submit nothing more. Never waits on Ray."""
+        self.scanned, self.hold_back = scanned, hold_back
+        if self.flag:
+            raise Interrupted(f"interrupted by {self.flag.signal} while reading the dataset, before this run "
+                              f"committed anything. {self._safe()}; rerun the same command to resume.",
+                              self.flag.signal, self.flag.signum)
+        now = time.perf_counter()
+        if now - self._last_poll < self.POLL_S and not (self.free and self._next_unit_read()):
+            return
+        self._last_poll = now
+        if self.workers is None and self.starter.ready():
+            self._start_workers()
+        if self.workers is not None:
+            self._collect(timeout=0)
+            self._submit()
+
+    def scan_finished(self):
+        """The whole dataset was read without error: from now on results are committed."""
+        self.scan_done = True
+        self._mark("scan_s")
+
+    # -- after the scan
+    def run(self, bar):
+        """Commit what came back during the scan, then run the remaining shards; returns RunStats."""
+        self.bar = bar
+        for res in self.held:
+            self._commit(res)
+        self.held = []
+        if self.workers is None:
+            self._start_workers()
         while True:
-            while free and not flag:
-                nxt = next(units, None)
-                if nxt is None:
-                    break
-                j, samples = nxt
-                w = free.pop(0)
-                unit = Unit(writer.directory, writer.shard_tag, j, sample_start=j * cfg.shard_size,
-                            sample_end=min((j + 1) * cfg.shard_size, n_records), samples=samples)
-                pending[w.run.remote(unit)] = (w, j)
-            if not pending:
+            self._submit()
+            if not self.pending and (not self.units or self.flag):
                 break
-            done, _ = ray.wait(list(pending), num_returns=1)
-            for ref in done:
-                w, j = pending.pop(ref)
-                free.append(w)
-                res = _result(ray, ref, j, writer, flag)
-                writer.commit(res["info"])
-                stats.tokens += res["tokens"]
-                stats.teacher_s += res["teacher_s"]
-                bar.update(res["info"]["num_samples"])
-                bar.set_postfix(tok_s=f"{stats.tokens / (time.perf_counter() - t0):,.0f}",
-                                shards=f"{len(writer.manifest['shards'])}/{writer.manifest['num_shards_planned']}")
-        stats.loop_s = time.perf_counter() - t0      # the last commit: Ray's shutdown below is not scoring
-    finally:
-        for w in workers:
-            ray.kill(w)
-        if not (cfg.ray_address or os.environ.get("RAY_ADDRESS")):
-            ray.shutdown()     # while our handlers stand: Ray's own SIGTERM handler would exit mid-shutdown
-        flag.restore()
-    stats.stopped = bool(flag)
-    return stats
+            self._collect(timeout=None)
+        if self._t0 is not None:
+            self.stats.loop_s = time.perf_counter() - self._t0    # the last commit: Ray's shutdown is not scoring
+        self.stats.stopped = bool(self.flag)
+        return self.stats
+
+    def close(self):
+        """Stop the workers and the job's Ray, then give the signals back. Idempotent."""
+        try:
+            for w in self.workers or []:
+                self.ray.kill(w)
+            self.workers = []
+            self.starter.close()      # while our handlers stand: Ray's own SIGTERM handler would exit mid-shutdown
+        finally:
+            self.flag.restore()
+
+    # -- the parts
+    def _start_workers(self):
+        self.ray = self.starter.get()
+        _reassert_handlers()
+        self.stats.startup.setdefault("ray_s", round((self.starter.up_at or time.time()) - self.t_start, 2))
+        warm, opts = self.starter.prestarted or ([], None)
+        if opts != dict(num_cpus=self.cfg.worker_cpus, num_gpus=self.gpus):
+            warm = []                 # not what settle decided: start afresh (ray.shutdown takes the others)
+        warm, extra = warm[:self.n_workers], warm[self.n_workers:]
+        for w in extra:
+            self.ray.kill(w)
+        self.workers = warm + start_workers(self.cfg, self.ray, self.spec, self.gpus, self.n_workers - len(warm),
+                                            self.writer.location.remote)
+        self.starting = {(w.load.remote(self.spec) if i < len(warm) else w.ready.remote()): i
+                         for i, w in enumerate(self.workers)}
+
+    def _next_unit_read(self):
+        """Whether every record of the next shard to submit has been read."""
+        if not self.units:
+            return False
+        return self.scan_done or self.scanned >= min((self.units[0] + 1) * self.cfg.shard_size, self.n_records)
+
+    def _submit(self):
+        size = self.cfg.shard_size
+        while self.free and not self.flag and not self.hold_back and self._next_unit_read():
+            j = self.units.popleft()
+            if not self.scan_done:
+                self.spool.flush()            # the shard's last samples may still be buffered
+            i = self._pick_worker()
+            unit = Unit(self.writer.directory, self.writer.shard_tag, j, sample_start=j * size,
+                        sample_end=min((j + 1) * size, self.n_records), samples=unit_samples(self.reader, j, size))
+            self.pending[self.workers[i].run.remote(unit)] = (i, j)
+            if self._t0 is None:
+                self._t0 = time.perf_counter()
+                self._mark("first_submit_s")
+
+    def _pick_worker(self):
+        """A free slot of the ready worker with the fewest shards in flight (round robin as they start)."""
+        busy = {}
+        for i, _ in self.pending.values():
+            busy[i] = busy.get(i, 0) + 1
+        i = min(self.free, key=lambda w: busy.get(w, 0))
+        self.free.remove(i)
+        return i
+
+    def _collect(self, timeout):
+        """Take what is done (everything ready, or, with timeout None, wait for one): ready workers get slots,
+        results are committed (kept while the scan runs)."""
+        refs = list(self.starting) + list(self.pending)
+        if not refs:
+            return
+        done, _ = self.ray.wait(refs, num_returns=len(refs) if timeout == 0 else 1, timeout=timeout)
+        for ref in done:
+            if ref in self.starting:
+                i = self.starting.pop(ref)
+                _loaded(self.ray, ref, self.flag)     # raises here if the teacher failed to load
+                self.free.extend([i] * self.cfg.max_in_flight)
+                self._mark("workers_ready_s")
+                continue
+            i, j = self.pending.pop(ref)
+            self.free.append(i)
+            res = _result(self.ray, ref, j, self.writer, self.flag)
+            if self.scan_done:
+                self._commit(res)
+            else:
+                self.held.append(res)
+
+    def _commit(self, res):
+        self.writer.commit(res["info"])
+        self._mark("first_commit_s")
+        st = self.stats
+        st.tokens += res["tokens"]
+        st.teacher_s += res["teacher_s"]
+        if self.bar is not None:
+            self.bar.update(res["info"]["num_samples"])
+            self.bar.set_postfix(tok_s=f"{st.tokens / (time.perf_counter() - self._t0):,.0f}",
+                                 shards=f"{len(self.writer.manifest['shards'])}/"
+                                        f"{self.writer.manifest['num_shards_planned']}")
+
+    def _safe(self):
+        return f"The {len(self.writer.done_indices())} shards committed so far are safe"
+
+
+def _reassert_handlers():
+    """Ray's core worker installs C-level handlers (SIGTERM's among them: it logs and aborts) when it connects,
+    possibly after the job's StopFlag was installed (Ray starts in the background): Python still lists the flag's
+    handlers, but the signals no longer reach them. Registering them again puts them back in front."""
+    for sig in SIGNALS:
+        handler = signal.getsignal(sig)
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
+def _loaded(ray, ref, flag):
+    """Wait for a worker's teacher to load: WorkerDied naming the cause if it failed (Interrupted after a signal)."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as e:
+        if flag:
+            raise Interrupted(f"interrupted by {flag.signal} while the teacher workers started; rerun the same "
+                              "command to resume.", flag.signal, flag.signum) from e
+        raise WorkerDied(f"a teacher worker died while loading the teacher: {e}") from e
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        raise WorkerDied(f"a teacher worker could not load the teacher: {type(cause).__name__}: {cause}") from e
 
 
 def _result(ray, ref, j, writer, flag):

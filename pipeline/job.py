@@ -1,11 +1,15 @@
 """The precompute driver: fingerprint, find or reuse the cache, scan the dataset, run the teacher, report.
 
-Read top to bottom: settle the job (tokenizer, teacher backend, fingerprint) -> find the cache (reuse it
-if complete) -> scan the dataset once into a spool -> open (or resume) the cache -> run the missing
-shards through teacher workers on Ray (dispatch.py) -> summary (summary.py).
+Read top to bottom: settle the job (teacher, tokenizer, fingerprint; meanwhile Ray starts in the background
+where the job will most likely need it) -> find the cache (reuse it if complete) -> count the dataset's records
+(a cheap pass: the shard plan) -> open (or resume) the cache -> scan the dataset once into a spool while the
+teacher workers start, handing them each shard as soon as its records are read (dispatch.py) -> commit the
+rest as they return -> summary (summary.py).
 The cache may be a local directory or an fsspec URL, or be placed in a store.
 """
+import json
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -15,6 +19,7 @@ from cache_format import CacheError, CacheWriter, hash_json, hash_tree
 from cache_format.errors import BadRecord, ConfigError, DataError, SkipSample
 from cache_format.lease import stamp_use
 from cache_format.location import Location
+from cache_format.manifest import MANIFEST_NAME, SHARD_DIR
 from cache_format.store import is_store
 from cache_format.store import resolve as resolve_in_store
 from cache_format.tokenizer_id import tokenizer_identity
@@ -22,7 +27,7 @@ from cache_format.writer import cache_fingerprint, existing_manifest, num_shards
 
 from . import summary as report
 from .data import iter_records, parse_record
-from .dispatch import RunStats, run_shards, worker_gpus
+from .dispatch import Dispatcher, RayStarter, RunStats, own_ray, prestart_workers, worker_gpus
 from .encode import Encoder, document_end_id, end_of_turn_ids
 from .spool import Spool
 from .teacher import choose_backend, is_url
@@ -225,28 +230,62 @@ def fingerprint_parts(cfg, tok_identity, eos_ids, backend, dtype, server=None):
 
 
 def run_precompute(cfg):
-    job = settle(cfg, time.time())
-    cfg = job.cfg                      # with max_length resolved
-    # Everything the cache depends on is known before reading the dataset: fingerprint first, so a
-    # finished cache (here or in a store) is found and reused without a teacher or a tokenizer pass.
-    fp, full_parts = cache_fingerprint(job.parts, backend=cfg.format, top_k=cfg.top_k,
-                                       logprob_dtype=cfg.logprob_dtype, codec=cfg.codec, top_p=cfg.top_p)
-    job.cfg = cfg = replace(cfg, out=cache_location(cfg, fp, job.server))
-    done = existing_manifest(cfg.out, fp, full_parts)
-    if done is not None and done["complete"]:
-        print(f"{cfg.out}: a complete cache of these inputs exists (fingerprint {fp[:16]}); reusing it: "
-              "nothing to do, no teacher work.")
-        stamp_use(Location(cfg.out))
-        return report.reused_summary(cfg, done, job.t_start)
-
-    created = not Location(cfg.out).remote and not os.path.exists(cfg.out)
-    spool = Spool()
+    t_start = time.time()
+    # Ray and the teacher actors start at once in the background where the job will most likely need them: the
+    # driver settles the job and reads the dataset meanwhile. Otherwise they start once there is work for them.
+    starter = RayStarter(cfg.ray_address, prestart_workers(cfg)) if may_start_early(cfg) else None
     try:
-        return run_job(job, spool)
+        job = settle(cfg, t_start)
+        cfg = job.cfg                      # with max_length resolved
+        # Everything the cache depends on is known before reading the dataset: fingerprint first, so a
+        # finished cache (here or in a store) is found and reused without a teacher or a tokenizer pass.
+        fp, full_parts = cache_fingerprint(job.parts, backend=cfg.format, top_k=cfg.top_k,
+                                           logprob_dtype=cfg.logprob_dtype, codec=cfg.codec, top_p=cfg.top_p)
+        job.cfg = cfg = replace(cfg, out=cache_location(cfg, fp, job.server))
+        done = existing_manifest(cfg.out, fp, full_parts)
+        if done is not None and done["complete"]:
+            print(f"{cfg.out}: a complete cache of these inputs exists (fingerprint {fp[:16]}); reusing it: "
+                  "nothing to do, no teacher work.")
+            stamp_use(Location(cfg.out))
+            return report.reused_summary(cfg, done, job.t_start)
+
+        created = not Location(cfg.out).remote and not os.path.exists(cfg.out)
+        spool = Spool()
+        try:
+            return run_job(job, spool, starter)
+        finally:
+            spool.delete()
+            if created and os.path.isdir(cfg.out) and not os.path.exists(os.path.join(cfg.out, MANIFEST_NAME)):
+                shutil.rmtree(cfg.out, ignore_errors=True)   # a job stopped before committing anything leaves nothing
     finally:
-        spool.delete()
-        if created and os.path.isdir(cfg.out) and not os.listdir(cfg.out):
-            os.rmdir(cfg.out)              # a job refused before writing anything leaves nothing behind
+        if starter is not None:
+            starter.close()
+
+
+def may_start_early(cfg):
+    """Whether Ray may start before the job is settled: a local teacher, a Ray of the job's own, --out neither a
+    store nor a complete cache (either may well be reused without any teacher work), and nothing a cheap look finds
+    that settle would refuse (bad paths, max_length above the teacher's context, top_k above its vocabulary, an
+    empty dataset), so refusals still come before any Ray start-up."""
+    if is_url(cfg.teacher) or not own_ray(cfg.ray_address) or cfg.store:
+        return False
+    try:
+        check_paths(cfg)
+        out = Location(cfg.out)
+        if is_store(cfg.out) or (out.exists(MANIFEST_NAME) and out.read_json(MANIFEST_NAME).get("complete")):
+            return False
+        with open(os.path.join(cfg.teacher, "config.json")) as f:
+            conf = json.load(f)
+        text = conf.get("text_config") or conf
+        ctx = text.get("max_position_embeddings") or text.get("n_positions")
+        if (cfg.max_length and ctx and cfg.max_length > ctx) or cfg.top_k > text.get("vocab_size", cfg.top_k):
+            return False
+        if os.path.isfile(cfg.data) and os.path.getsize(cfg.data) < 4096:
+            with open(cfg.data, "rb") as f:
+                return bool(f.read().strip())
+        return True
+    except Exception:        # anything odd: settle says what, before any Ray start-up
+        return False
 
 
 def teacher_name(cfg, server=None):
@@ -275,12 +314,28 @@ def cache_location(cfg, fp, server=None):
     return where
 
 
-def scan(cfg, encoder, spool):
+def count_records(path):
+    """The number of records iter_records(path) yields, without parsing them: the shard plan (shard j = records
+    [j*shard_size, (j+1)*shard_size)) needs it before the scan is over. JSONL: non-blank lines; Parquet: its
+    metadata; anything else: a pass of the reader. The scan checks it read as many."""
+    if os.path.isfile(path) and path.endswith((".jsonl", ".json", ".ndjson")):
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    if os.path.isfile(path) and path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        return pq.ParquetFile(path).metadata.num_rows
+    return sum(1 for _ in iter_records(path))
+
+
+def scan(cfg, encoder, spool, n_records=None, pump=None):
     """The one pass over the dataset: count records, list every skip, spool the encoded samples.
 
-    Runs before any teacher work, so a malformed record under on_bad_record=fail costs nothing.
+    pump(records read, hold_back) is called after every record: the teacher workers get each shard as soon as its
+    records are spooled (dispatch.Dispatcher.pump); hold_back once a malformed record will fail the job.
+    A malformed record under on_bad_record=fail, a dataset with no usable record, or one whose record count differs
+    from n_records stop the job here, after the whole pass, before anything is committed.
     """
-    n, skipped = 0, []
+    n, skipped, failing = 0, [], False
     for raw in iter_records(cfg.data):
         n += 1
         try:
@@ -289,8 +344,11 @@ def scan(cfg, encoder, spool):
             spool.add(encoder.encode(parse_record(raw.data), raw.index))
         except BadRecord as e:
             skipped.append({"sample_id": raw.index, "where": raw.where, "reason": "bad_record", "message": str(e)})
+            failing = cfg.on_bad_record == "fail"
         except SkipSample as e:
             skipped.append({"sample_id": raw.index, "where": raw.where, "reason": e.reason, "message": str(e)})
+        if pump is not None:
+            pump(n, failing or (n_records is not None and n > n_records))
     spool.close_writing()
     bad = [s for s in skipped if s["reason"] == "bad_record"]
     if bad and cfg.on_bad_record == "fail":
@@ -301,12 +359,30 @@ def scan(cfg, encoder, spool):
         raise DataError(f"dataset {cfg.data}: no usable records" + (f" ({n} read, all skipped: {why}; the first: "
                         f"{skipped[0]['where']}: {skipped[0]['message']})" if n else " (it is empty)")
                         + "; nothing to cache")
+    if n_records is not None and n != n_records:
+        raise DataError(f"dataset {cfg.data} changed while this job read it ({n_records} records counted first, "
+                        f"{n} read); rerun once it no longer changes")
     return n, skipped
 
 
-def run_job(job, spool):
+def discard_uncommitted(writer):
+    """A job stopped before it committed anything, in a cache it created: take its manifest (and the shard files
+    its workers wrote) back, so the directory holds no cache, as if the job had never started: a fixed dataset
+    can then start afresh there. A cache with committed shards, or started by an earlier run, is left as it is."""
+    if writer.manifest is None or writer.resumed or writer.manifest["shards"]:
+        return
+    loc = writer.location
+    for name in loc.list(SHARD_DIR):
+        loc.remove(f"{SHARD_DIR}/{name}")
+    loc.remove(MANIFEST_NAME)
+
+
+def run_job(job, spool, starter=None):
+    """starter: Ray starting in the background (RayStarter), else started here once there is work for it."""
     cfg = job.cfg
-    n_records, skipped = scan(cfg, job.encoder, spool)
+    n_records = count_records(cfg.data)
+    if n_records == 0:
+        raise DataError(f"dataset {cfg.data}: no usable records (it is empty); nothing to cache")
     n_units = num_shards(n_records, cfg.shard_size)
     meta = {"teacher": teacher_name(cfg, job.server), "dataset": os.path.basename(cfg.data),
             "mode": cfg.mode, "teacher_backend": job.teacher_backend, "teacher_backend_reason": job.backend_reason,
@@ -314,7 +390,7 @@ def run_job(job, spool):
             "tokenizer": job.tokenizer_id, "records": n_records,
             "text_end": job.encoder.tok.convert_ids_to_tokens(job.encoder.text_end),
             "chat_template": job.encoder.tok.chat_template if isinstance(job.encoder.tok.chat_template, str) else None,
-            "skipped": dict(Counter(s["reason"] for s in skipped))}
+            "skipped": {}}        # filled in once the scan is over, before the first commit writes it
     if job.server:
         meta["teacher_server"] = {"url": cfg.teacher, **job.server, "revision": cfg.teacher_revision}
     writer = CacheWriter(cfg.out, backend=cfg.format, top_k=cfg.top_k, vocab_size=job.vocab_size,
@@ -323,19 +399,37 @@ def run_job(job, spool):
                          logprob_dtype=cfg.logprob_dtype, codec=cfg.codec, top_p=cfg.top_p,
                          meta=meta)
     with writer:
-        report.save_reports(cfg, skipped)
         todo = set(range(n_units)) - writer.done_indices()
         at_start = len(writer.manifest["shards"])
-        if not todo:
-            print(f"{cfg.out}: cache already complete ({n_units} shards); nothing to do.")
-            return report.summary(cfg, writer, skipped, job.t_start, RunStats(), at_start)
-        if writer.resumed:
+        if writer.resumed and todo:
             print(f"{cfg.out}: resuming, {n_units - len(todo)} of {n_units} shards already committed.")
-        bar = report.progress(cfg, n_records - len(skipped), writer.manifest["counts"]["samples"])
+        dispatch = None
+        if todo:
+            spec = job.worker_spec(writer.codec)
+            starter = starter or RayStarter(cfg.ray_address)
+            dispatch = Dispatcher(cfg, writer, starter, spec, job.gpus, todo, n_records, spool, job.t_start)
         try:
-            stats = run_shards(cfg, writer, spool, todo, job.worker_spec(writer.codec), job.gpus, n_records, bar)
+            try:
+                _, skipped = scan(cfg, job.encoder, spool, n_records, pump=dispatch and dispatch.pump)
+            except BaseException:
+                if dispatch:
+                    dispatch.close()        # the workers stop before their shard files are taken back
+                discard_uncommitted(writer)
+                raise
+            writer.manifest["meta"]["skipped"] = dict(Counter(s["reason"] for s in skipped))
+            report.save_reports(cfg, skipped)
+            if not todo:
+                print(f"{cfg.out}: cache already complete ({n_units} shards); nothing to do.")
+                return report.summary(cfg, writer, skipped, job.t_start, RunStats(), at_start)
+            dispatch.scan_finished()
+            bar = report.progress(cfg, n_records - len(skipped), writer.manifest["counts"]["samples"])
+            try:
+                stats = dispatch.run(bar)
+            finally:
+                bar.close()
         finally:
-            bar.close()
+            if dispatch:
+                dispatch.close()
         out = report.summary(cfg, writer, skipped, job.t_start, stats, at_start)
         if stats.stopped:
             print(f"stopped early with {len(todo) - out['shards_this_run']} shard(s) left; "

@@ -43,6 +43,9 @@ def summary(cfg, writer, skipped, t_start, stats, shards_at_start):
         "teacher_s": round(stats.teacher_s, 1), "resumed": shards_at_start > 0,
         "loop_s": round(stats.loop_s, 2),       # first shard submitted -> last shard committed (startup excluded)
         "loop_tok_s": round(stats.tokens / stats.loop_s, 1) if stats.loop_s else None,
+        # seconds from the job's start: Ray up, the first teacher loaded, the first shard submitted, the dataset
+        # read, the first shard committed (pipeline.dispatch.Dispatcher)
+        "startup": dict(stats.startup),
         "fidelity": fidelity_text(m), "teacher_on_data": teacher_ce_text(m),
     }
     Location(cfg.out).write_bytes(f"{REPORT_DIR}/summary.json", json.dumps(s, indent=1).encode())
@@ -62,6 +65,16 @@ def reused_summary(cfg, m, t_start):
     return s
 
 
+def _startup_text(st):
+    """' (first shard submitted at 31.2 s: Ray up at 5.1 s, the teacher loaded at 31.0 s, the dataset read at
+    4.9 s)', or '' without teacher work."""
+    if "first_submit_s" not in st:
+        return ""
+    parts = [f"{what} at {st[k]} s" for k, what in (("ray_s", "Ray up"), ("workers_ready_s", "the teacher loaded"),
+                                                      ("scan_s", "the dataset read")) if k in st]
+    return f" (first shard submitted at {st['first_submit_s']} s" + (": " + ", ".join(parts) if parts else "") + ")"
+
+
 def _print(s, skipped):
     print("\nprecompute summary")
     rows = [("cache", f"{s['cache']} ({'complete' if s['complete'] else 'INCOMPLETE'}, {s['shards']} shards)"),
@@ -72,7 +85,7 @@ def _print(s, skipped):
             ("size", f"{s['bytes'] / 1e6:.2f} MB, {s['bytes_per_position']} B/position"),
             ("stored fidelity", s["fidelity"]),
             ("teacher on data", s["teacher_on_data"]),
-            ("wall time", f"{s['wall_s']} s"),
+            ("wall time", f"{s['wall_s']} s" + _startup_text(s["startup"])),
             ("throughput", f"{s['loop_tok_s']:,} tokens/s after startup, {s['throughput_tok_s']:,} over the wall time"
              if s["tokens_this_run"] else "no teacher work")]
     for k, v in rows:

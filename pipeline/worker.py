@@ -34,9 +34,21 @@ class Unit:
 
 
 class TeacherWorker:
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec | None = None):
+        """With a spec, load the teacher now (ready() then says it is loaded). Without one: an actor started before
+        the job was settled (pipeline.dispatch.prestart), which imports what every local teacher backend needs
+        (torch, transformers) while the driver settles the job, and loads the teacher when load(spec) comes."""
+        self.spec = self.teacher = None
+        if spec is not None:
+            self.load(spec)
+        else:
+            import torch  # noqa: F401
+            from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    def load(self, spec: WorkerSpec):
         self.spec = spec
         self.teacher = make_teacher(spec.teacher_backend, spec.model_path, **spec.teacher_kwargs)
+        return True
 
     def ready(self):
         return True
