@@ -16,7 +16,8 @@ EXT = "arrow"
 CODECS = ("lz4", "zstd", "none")
 DEFAULT_CODEC = "zstd"       # the smallest in bench/storage.py
 ROWS_PER_BATCH = 256
-ZSTD_LEVEL = 3               # vs pyarrow's 1: about 10% fewer bytes; 6 saves 6% more but writes float16 shards 2x slower
+# vs pyarrow's 1: about 10% fewer bytes; 6 saves 6% more but writes float16 shards 2x slower
+ZSTD_LEVEL = 3
 
 
 def _options(codec):
@@ -142,7 +143,8 @@ def _flat(col):
 def _columns(batch):
     got = {name: _flat(batch.column(name)) for name, _, _ in COLUMNS}
     return layout.Columns(
-        sample_id=batch.column("sample_id").to_numpy(), truncated=batch.column("truncated").to_numpy(zero_copy_only=False),
+        sample_id=batch.column("sample_id").to_numpy(),
+        truncated=batch.column("truncated").to_numpy(zero_copy_only=False),
         token_offsets=got["input_ids"][0], position_offsets=got["positions"][0],
         **{name: vals for name, (_, vals) in got.items()})
 
@@ -153,7 +155,8 @@ def _columns_v1(batch, top_k):
                                                           "tail_mass")}
     P = len(got["positions"][1])
     return layout.Columns(
-        sample_id=batch.column("sample_id").to_numpy(), truncated=batch.column("truncated").to_numpy(zero_copy_only=False),
+        sample_id=batch.column("sample_id").to_numpy(),
+        truncated=batch.column("truncated").to_numpy(zero_copy_only=False),
         token_offsets=got["input_ids"][0], input_ids=got["input_ids"][1], position_offsets=got["positions"][0],
         positions=got["positions"][1], topk_counts=np.full(P, top_k, np.uint16), tail_mass=got["tail_mass"][1],
         target_logprobs=np.full(P, np.nan, np.float32), topk_ids=got["topk_ids"][1],

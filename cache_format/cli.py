@@ -4,11 +4,11 @@ import calendar
 import json
 import time
 
+from .backends import default_codec, get_backend
 from .card import CARD
+from .compact import BOUNDS
 from .errors import CacheError, ManifestMissing
 from .location import Location
-from .backends import default_codec, get_backend
-from .compact import BOUNDS
 from .manifest import fidelity_text, load_manifest, safe_shard_path, teacher_ce_text
 from .store import gc, is_store, list_caches
 from .verify import verify_cache

@@ -12,6 +12,7 @@ import uuid
 import numpy as np
 
 from .backends import default_codec, get_backend
+from .compact import to_store
 from .errors import ConflictError, FingerprintError, LockedError, ManifestError
 from .fingerprint import describe_diff, fingerprint
 from .lease import Lease
@@ -27,7 +28,6 @@ from .manifest import (
     save_manifest,
     shard_name,
 )
-from .compact import to_store
 from .record import check_record
 
 

@@ -1,6 +1,7 @@
 """Zarr v3 backend: one Zarr group (a directory) per shard.
 
-Flat arrays plus CSR offsets (cache_format/layout.py); format 1 groups stay readable. Each array uses the sharding codec with a
+Flat arrays plus CSR offsets (cache_format/layout.py);
+format 1 groups stay readable. Each array uses the sharding codec with a
 single Zarr shard spanning the whole array, so every array is one file of
 compressed inner chunks plus an index. A group is written whole into a temp
 directory by exactly one writer, then renamed into place: Zarr's own
@@ -110,8 +111,10 @@ class Shard:
         try:
             if self.version == 1:
                 P = p1 - p0
-                per_entry = dict(topk_counts=np.full(P, self.top_k, np.uint16), target_logprobs=np.full(P, np.nan, np.float32),
-                                 topk_ids=a["topk_ids"][p0:p1].reshape(-1), topk_values=a["topk_logprobs"][p0:p1].reshape(-1))
+                per_entry = dict(topk_counts=np.full(P, self.top_k, np.uint16),
+                                 target_logprobs=np.full(P, np.nan, np.float32),
+                                 topk_ids=a["topk_ids"][p0:p1].reshape(-1),
+                                 topk_values=a["topk_logprobs"][p0:p1].reshape(-1))
             else:
                 e0, e1 = self._eoff[p0], self._eoff[p1]
                 per_entry = dict(topk_counts=a["topk_counts"][p0:p1], target_logprobs=a["target_logprobs"][p0:p1],

@@ -64,5 +64,6 @@ def test_the_hf_teacher_stores_the_log_probs_of_the_models_own_logits(arch, tmp_
         lp = torch.log_softmax(model(input_ids=ids[None]).logits[0, pos].float(), -1)
     want_lp, want_ids = lp.topk(8, -1)
     torch.testing.assert_close(torch.from_numpy(top_lp), want_lp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.from_numpy(target_lp), lp.gather(1, ids[pos + 1, None])[:, 0], rtol=1e-5, atol=1e-5)
+    want_target = lp.gather(1, ids[pos + 1, None])[:, 0]
+    torch.testing.assert_close(torch.from_numpy(target_lp), want_target, rtol=1e-5, atol=1e-5)
     assert (torch.from_numpy(top_ids).long() == want_ids).float().mean() > 0.95      # ties may swap ranks
