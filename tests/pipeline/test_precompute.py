@@ -162,10 +162,14 @@ def test_existing_ray_cluster_same_code_path(mixed, tmp_path, monkeypatch):
     port = 6391
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")      # a throwaway cluster on loopback: no token to share
     env = dict(os.environ, RAY_ADDRESS="")
-    start = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                            "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
-                           capture_output=True, text=True, timeout=120, env=env)
-    assert start.returncode == 0, start.stderr[-2000:]
+    # `ray start --block` in a session of its own: stopping it stops this cluster only (`ray stop` would stop
+    # every Ray on the machine, including those of tests running beside this one).
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+                             "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
+                             f"--ray-client-server-port={free_port()}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    wait_for_port(port, head)
     try:
         args = list(mixed["args"])
         args[args.index("--out") + 1] = tmp_path / "c"
@@ -176,7 +180,7 @@ def test_existing_ray_cluster_same_code_path(mixed, tmp_path, monkeypatch):
         own = precompute(*args)
         assert own.returncode == 0, own.stderr[-3000:]
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120, env=env)
+        stop_group(head)
     a = open_cache(mixed["out"])
     for other in (tmp_path / "c", tmp_path / "own"):
         b = open_cache(other)
@@ -184,6 +188,34 @@ def test_existing_ray_cluster_same_code_path(mixed, tmp_path, monkeypatch):
         for ra, rb in zip(a, b):
             for f in ("sample_id", "input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass"):
                 np.testing.assert_array_equal(getattr(ra, f), getattr(rb, f))
+
+
+def free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(port, proc, timeout=120):
+    import socket
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing listens on {port} after {timeout} s")
+
+
+def stop_group(proc):
+    """SIGKILL to the process's session, its children included (a throwaway cluster: nothing to save)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)
 
 
 @pytest.mark.parametrize("point", ["before-replace-manifest.json@3", "before-publish@2"])

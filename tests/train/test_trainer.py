@@ -115,8 +115,10 @@ def test_signal_mid_run_then_resume_gives_identical_losses(setup, tmp_path, sig)
         assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "o"
     env = dict(os.environ, PYTHONPATH=ROOT)
+    # A run started from a terminal, not under nohup (which the suite itself may run under): SIGHUP not ignored.
     proc = subprocess.Popen(train_cmd(setup, out, "--max-steps", steps, "--batch-size", 2, "--save-every", 0),
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     deadline = time.time() + 300
     while time.time() < deadline:
         if (out / "metrics.jsonl").exists() and len(open(out / "metrics.jsonl").readlines()) >= 3:
