@@ -14,7 +14,8 @@ reader. Per mode:
   KL full      KL(full teacher distribution || what the loss sees): the stored entries, the target token's
                own log-prob where it is not among them, and the rest of the mass spread evenly
   entries      mean entries stored per position
-  write, read  positions per second through write_cache and a full read (one core, shard files on disk)
+  write, read  positions per second through write_cache and a streamed read of every record (shard files on
+               disk; run it under `taskset -c 0` for per-core figures)
 The exact mode is float32 at the same k; float16 is kdcache's default.
 """
 import argparse
@@ -116,8 +117,10 @@ def run_mode(scored, exact, vocab, k, dtype, top_p, backend):
                         eos_token_ids=[vocab - 1], logprob_dtype=dtype, top_p=top_p, fingerprint_parts={"bench": 1})
         t_write = time.perf_counter() - t0
         t0 = time.perf_counter()
-        got = list(open_cache(d))
+        streamed = sum(len(r.positions) for r in open_cache(d))     # as a trainer reads: record by record
         t_read = time.perf_counter() - t0
+        assert streamed == positions
+        got = list(open_cache(d))
         kt = kl_topk(exact, got, vocab)
         kf = kl_full(scored, got, vocab)
         entries = np.mean(np.concatenate([r.topk_counts for r in got]))

@@ -64,7 +64,11 @@ class Teacher(Protocol):
                  top_p: float, seeds: list[int], eos_ids: set[int]) -> list[tuple[list[int], bool]]:
         """One sampled completion per prompt (per-prompt budget and seed), stopping at an end-of-turn id.
 
-        Returns, per prompt, (new token ids, ended with an end-of-turn id)."""
+        Returns, per prompt, (new token ids, ended with an end-of-turn id).
+
+    A backend may also offer generate_scored(prompts, k=..., <generate's keywords>) -> [(new ids, ended, Scored)]:
+    the completion and the top-k at each generated step from the same pass (the served teacher: one request per
+    prompt instead of a generation and a scoring request). The worker uses it where present."""
 
 
 def teacher_class(name):

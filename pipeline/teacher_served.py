@@ -3,7 +3,9 @@
 For teachers that live on their own nodes. Token-id prompts only (never text, so nothing is re-templated):
 scoring is `/v1/completions` with the sequence as `prompt` (a list of ids), `max_tokens` 1 and vLLM's
 `prompt_logprobs` k; generation is `/v1/completions` with `max_tokens`, the sampling settings, the job's
-stop ids and `return_token_ids`, so the new ids come back as ids. vLLM's prompt_logprobs[j] is the
+stop ids and `return_token_ids`, so the new ids come back as ids; with `logprobs` k and
+`return_tokens_as_token_ids` the same request gives each generated step's top-k (generate_scored: one
+request per sample). vLLM's prompt_logprobs[j] is the
 distribution predicting prompt token j, keyed by token id (as a string) with its logprob and rank; the
 entry holds the prompt token (any rank) and ranks 1..k. Our position t predicts token t+1: it reads entry t+1.
 
@@ -216,6 +218,15 @@ class ServedTeacher:
                                                               set(stop)),
                          prompts, list(zip(max_new_tokens, seeds)))
 
+    def generate_scored(self, prompts, *, k, max_new_tokens, temperature, top_p, seeds, eos_ids):
+        """generate() and the top-k at each generated step from the same request (`logprobs` k): one request per
+        prompt, where generate-then-score takes two. Returns [(new ids, ended, Scored)]. The step log-probs are
+        the model's own (vllm serve's default --logprobs-mode raw_logprobs: before temperature and top-p)."""
+        stop = sorted(int(t) for t in eos_ids)
+        return self._map(lambda p, n_seed: self._generate_one(np.asarray(p), *n_seed, temperature, top_p, stop,
+                                                              set(stop), k=k),
+                         prompts, list(zip(max_new_tokens, seeds)))
+
     # -- one request each
 
     def _score_one(self, seq, pos, k):
@@ -232,20 +243,24 @@ class ServedTeacher:
                                f"{len(echoed)} prompt tokens for {len(seq)} sent)")
         return parse_prompt_logprobs(choice.get("prompt_logprobs"), seq, pos, k)
 
-    def _generate_one(self, prompt, budget, seed, temperature, top_p, stop, eos):
+    def _generate_one(self, prompt, budget, seed, temperature, top_p, stop, eos, k=None):
+        """(new ids, ended), and their Scored when k is given (the request then asks for `logprobs` k)."""
         if int(budget) < 1:
-            return [], False
+            return ([], False) if k is None else ([], False, parse_step_logprobs(None, [], k))
         body = {"model": self.model, "prompt": prompt.tolist(), "max_tokens": int(budget),
                 "temperature": float(temperature), "top_p": float(top_p), "seed": int(seed),
                 "stop_token_ids": stop, "return_token_ids": True, "skip_special_tokens": False, **NEUTRAL}
-        choice = _choice(self.client.request("POST", "/completions", body,
-                                             what=f"generation request ({len(prompt)} prompt tokens)"))
+        if k is not None:
+            body.update(logprobs=int(k), return_tokens_as_token_ids=True)
+        what = f"generation request ({len(prompt)} prompt tokens{'' if k is None else f', logprobs={k}'})"
+        choice = _choice(self.client.request("POST", "/completions", body, what=what))
         new = choice.get("token_ids")
         if not isinstance(new, list):
             raise ServerError(f"the teacher server at {self.client.url} returned no token_ids for a generation "
                               "request (return_token_ids needs vLLM 0.10.2 or later)")
         new = [int(t) for t in new]
-        return new, bool(new) and new[-1] in eos
+        ended = bool(new) and new[-1] in eos
+        return (new, ended) if k is None else (new, ended, parse_step_logprobs(choice.get("logprobs"), new, k))
 
     def _map(self, fn, xs, ys):
         """fn over the pairs, at most requests_in_flight at once, results in order. The first failure cancels what has
@@ -312,3 +327,33 @@ def parse_prompt_logprobs(plp, seq, positions, k):
         lps[row] = [s[1] for s in slots]
         target_lp[row] = t_lp
     return Scored(ids, lps, target_lp)
+
+
+def parse_step_logprobs(logprobs, new_ids, k):
+    """Scored at each generated step from a completion's `logprobs` (requested with logprobs k and
+    return_tokens_as_token_ids): top_logprobs[j] maps "token_id:<id>" to the log-prob of each of the top k at
+    step j, plus the generated token where it is outside them; token_logprobs[j] is the generated token's."""
+    n = len(new_ids)
+    if n == 0:
+        return Scored(np.empty((0, k), np.int32), np.empty((0, k), np.float32), np.empty(0, np.float32))
+    tops = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+    own = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    if not isinstance(tops, list) or not isinstance(own, list) or len(tops) != n or len(own) != n:
+        raise ServerError(f"the teacher server returned logprobs for {len(tops) if isinstance(tops, list) else None}"
+                          f" generated steps, expected {n} (is it vLLM, started with --max-logprobs at least top_k?)")
+    ids = np.empty((n, k), dtype=np.int32)
+    lps = np.empty((n, k), dtype=np.float32)
+    for j, entry in enumerate(tops):
+        if not isinstance(entry, dict) or len(entry) < k:
+            raise ServerError(f"the teacher server gave {len(entry) if isinstance(entry, dict) else 0} entries "
+                              f"at generated step {j}, expected the top-{k}")
+        pairs = []
+        for key, lp in entry.items():
+            if not (isinstance(key, str) and key.startswith("token_id:")):
+                raise ServerError(f"the teacher server named a token {key!r}, not 'token_id:<id>' (it needs "
+                                  "return_tokens_as_token_ids: vLLM 0.5 or later)")
+            pairs.append((-float(lp), int(key[len("token_id:"):])))
+        pairs.sort()                                   # by log-prob, highest first; ties by id
+        ids[j] = [t for _, t in pairs[:k]]
+        lps[j] = [-lp for lp, _ in pairs[:k]]
+    return Scored(ids, lps, np.asarray([float(x) for x in own], dtype=np.float32))

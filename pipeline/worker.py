@@ -59,10 +59,13 @@ class TeacherWorker:
         samples = unit.samples
         k = self.spec.shard_kwargs["top_k"]
         try:
-            if self.spec.generate and samples:
-                samples = self._generate(samples)
-            scored = self.teacher.score([s.input_ids for s in samples], [s.positions for s in samples], k) \
-                if samples else []
+            if self.spec.generate and samples and hasattr(self.teacher, "generate_scored"):
+                samples, scored = self._generate_scored(samples, k)
+            else:
+                if self.spec.generate and samples:
+                    samples = self._generate(samples)
+                scored = self.teacher.score([s.input_ids for s in samples], [s.positions for s in samples], k) \
+                    if samples else []
         except SampleFailed as e:          # one sequence failed on its own: name its sample
             raise e.named(samples) from None
         records = [Record(s.sample_id, s.input_ids, s.positions, sc.ids, sc.logprobs, truncated=s.truncated,
@@ -72,11 +75,19 @@ class TeacherWorker:
                                 sample_end=unit.sample_end, tag=unit.shard_tag, **self.spec.shard_kwargs)
         return {"info": info, "teacher_s": teacher_s, "tokens": int(sum(len(s.input_ids) for s in samples))}
 
+    def _generation_args(self, samples):
+        g = self.spec.generate
+        return dict(max_new_tokens=[min(g["max_new_tokens"], g["max_length"] - len(s.input_ids)) for s in samples],
+                    temperature=g["temperature"], top_p=g["top_p"], seeds=[g["seed"] + s.sample_id for s in samples],
+                    eos_ids=set(g["eos_ids"]))
+
     def _generate(self, samples: list[Sample]) -> list[Sample]:
         """Prompts -> prompt + teacher completion (see encode.with_completion)."""
-        g = self.spec.generate
-        budgets = [min(g["max_new_tokens"], g["max_length"] - len(s.input_ids)) for s in samples]
-        gens = self.teacher.generate([s.input_ids for s in samples], max_new_tokens=budgets,
-                                     temperature=g["temperature"], top_p=g["top_p"],
-                                     seeds=[g["seed"] + s.sample_id for s in samples], eos_ids=set(g["eos_ids"]))
+        gens = self.teacher.generate([s.input_ids for s in samples], **self._generation_args(samples))
         return [with_completion(s, new, ended) for s, (new, ended) in zip(samples, gens)]
+
+    def _generate_scored(self, samples: list[Sample], k: int):
+        """Prompts -> (prompt + completion samples, their Scored) from one pass of the teacher."""
+        out = self.teacher.generate_scored([s.input_ids for s in samples], k=k, **self._generation_args(samples))
+        return ([with_completion(s, new, ended) for s, (new, ended, _) in zip(samples, out)],
+                [sc for _, _, sc in out])

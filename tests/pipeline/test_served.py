@@ -16,7 +16,7 @@ from cache_format import open_cache, verify_cache
 from cache_format.errors import ConfigError
 from pipeline import teacher as teacher_mod
 from pipeline.teacher import SampleFailed
-from pipeline.teacher_served import Client, ServedTeacher, ServerError, parse_prompt_logprobs
+from pipeline.teacher_served import Client, ServedTeacher, ServerError, parse_prompt_logprobs, parse_step_logprobs
 from tests.helpers.chats import MULTI
 from tests.helpers.cli import ROOT, precompute, write_jsonl
 
@@ -123,6 +123,14 @@ def test_parser_refuses_what_it_cannot_read():
 # ---------------------------------------------------------------- without a server: HTTP behaviour
 
 
+# vLLM's `logprobs` for a completion of [9, 7] asked with logprobs 2 and return_tokens_as_token_ids: the sampled
+# token first, then the top 2 (9 is among them at step 0; 7 is not at step 1, so that step has 3 entries).
+STEP_ANSWER = {"tokens": ["token_id:9", "token_id:7"], "token_logprobs": [-0.1, -4.0],
+               "top_logprobs": [{"token_id:9": -0.1, "token_id:3": -2.5},
+                                {"token_id:7": -4.0, "token_id:2": -0.2, "token_id:8": -1.0}],
+               "text_offset": [0, 0]}
+
+
 class FakeServer:
     """A tiny OpenAI-compatible server on 127.0.0.1: answers `plan` statuses in order for POST /v1/completions,
     then 200 with a scoring answer; /v1/models and /version as vLLM does."""
@@ -159,6 +167,9 @@ class FakeServer:
                     return self._send(status, {"error": {"message": f"planned {status}", "type": "X", "code": status}})
                 prompt = body["prompt"]
                 plp = [None] + [{str(t): {"logprob": -0.5, "rank": 1}} for t in prompt[1:]]   # k = 1, target rank 1
+                if body.get("logprobs"):            # generation with step log-probs: STEP_ANSWER, as vLLM writes it
+                    return self._send(200, {"choices": [{"index": 0, "text": "", "token_ids": [9, 7],
+                                                         "logprobs": STEP_ANSWER}]})
                 self._send(200, {"choices": [{"index": 0, "text": "", "prompt_logprobs": plp,
                                               "prompt_token_ids": prompt, "token_ids": [7]}]})
 
@@ -237,6 +248,34 @@ def test_generate_sends_ids_and_stop_ids(fake):
     t.close()
 
 
+def test_generate_scored_is_one_request_per_prompt_with_the_step_top_k(fake):
+    srv = fake()
+    t = ServedTeacher(srv.url)
+    out = t.generate_scored([np.array([4, 5], np.int32), np.array([6], np.int32)], k=2, max_new_tokens=[3, 0],
+                            temperature=0.0, top_p=1.0, seeds=[1, 2], eos_ids={7})
+    assert len(srv.posts) == 1                       # one request for the first prompt; none for a zero budget
+    body = srv.posts[0]
+    assert body["logprobs"] == 2 and body["return_tokens_as_token_ids"] is True and body["stop_token_ids"] == [7]
+    assert "prompt_logprobs" not in body and body["prompt"] == [4, 5] and body["max_tokens"] == 3
+    (new, ended, sc), (new2, ended2, sc2) = out
+    assert new == [9, 7] and ended and new2 == [] and not ended2
+    np.testing.assert_array_equal(sc.ids, [[9, 3], [2, 8]])                # by log-prob, the outsider dropped
+    np.testing.assert_array_equal(sc.logprobs, np.float32([[-0.1, -2.5], [-0.2, -1.0]]))
+    np.testing.assert_array_equal(sc.target_logprobs, np.float32([-0.1, -4.0]))  # the generated token, any rank
+    assert sc2.ids.shape == (0, 2) and sc2.target_logprobs.shape == (0,)
+    t.close()
+
+
+def test_step_parser_refuses_what_it_cannot_read():
+    with pytest.raises(ServerError, match="for 1 generated steps, expected 2"):
+        parse_step_logprobs(dict(STEP_ANSWER, top_logprobs=STEP_ANSWER["top_logprobs"][:1]), [9, 7], 2)
+    with pytest.raises(ServerError, match="2 entries at generated step 0, expected the top-3"):
+        parse_step_logprobs(STEP_ANSWER, [9, 7], 3)
+    texty = dict(STEP_ANSWER, top_logprobs=[{"a": -0.1, "b": -1.0}, {"c": -0.1, "d": -1.0}])
+    with pytest.raises(ServerError, match="return_tokens_as_token_ids"):
+        parse_step_logprobs(texty, [9, 7], 2)
+
+
 # ---------------------------------------------------------------- against a real vLLM server
 
 
@@ -287,11 +326,12 @@ def test_served_cache_equals_the_in_process_cache(served, served_cache):
                                                  "vllm_version": m["meta"]["teacher_server"]["vllm_version"],
                                                  "revision": "r1"}
     assert m["fingerprint_parts"]["capture"]["max_length"] == 511
-    # The reference: the same model in process (transformers, the reference backend; vLLM agrees with it to TOL).
+    # The reference: the same model in process, on the same engine (vLLM); test_vllm.py holds vLLM to transformers.
     res = precompute("--teacher", served.teacher, "--data", served.data, "--top-k", K, "--logprob-dtype", "float32",
-                     "--shard-size", 12, "--max-length", 511, "--backend", "hf", "--out", served.dir / "hf")
+                     "--shard-size", 12, "--max-length", 511, "--backend", "vllm", "--out", served.dir / "vllm",
+                     timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    ref = list(open_cache(served.dir / "hf"))
+    ref = list(open_cache(served.dir / "vllm"))
     got = list(cache)
     assert len(got) == len(ref) == len(served.rows)
     for a, b in zip(ref, got):
