@@ -30,8 +30,14 @@ class VLLMTeacher:
         from vllm import SamplingParams
         sp = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True)
         outs = self.llm.generate(_prompts(seqs), sp, use_tqdm=False)
-        return [_topk_from_flat(o.prompt_logprobs, np.asarray(pos), k, np.asarray(s))
-                for o, pos, s in zip(outs, positions, seqs)]
+        out = []
+        for o, pos, s in zip(outs, positions, seqs):
+            if len(o.prompt_logprobs.start_indices) != len(s):
+                raise RuntimeError(f"vLLM returned prompt logprobs for {len(o.prompt_logprobs.start_indices)} "
+                                   f"positions, expected {len(s)}")
+            rows = np.asarray(pos, dtype=np.int64) + 1          # position t predicts token t+1: entry t+1
+            out.append(_topk_from_flat(o.prompt_logprobs, rows, np.asarray(s, dtype=np.int64)[rows], k))
+        return out
 
     def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, eos_ids):
         """See pipeline.teacher.Teacher.generate."""
@@ -46,6 +52,29 @@ class VLLMTeacher:
             res.append((new, bool(new) and new[-1] in eos_ids))
         return res
 
+    def generate_scored(self, prompts, *, k, max_new_tokens, temperature, top_p, seeds, eos_ids):
+        """generate() with each generated step's top-k from the same pass (`logprobs` k, the model's raw
+        log-probs: vLLM's default logprobs_mode): one engine pass instead of a generation and a scoring pass.
+        Returns [(new ids, ended, Scored)]."""
+        from vllm import SamplingParams
+        todo = [i for i, n in enumerate(max_new_tokens) if int(n) >= 1]
+        params = [SamplingParams(max_tokens=int(max_new_tokens[i]), temperature=temperature, top_p=top_p,
+                                 seed=int(seeds[i]), stop_token_ids=[int(t) for t in eos_ids], detokenize=False,
+                                 logprobs=k, flat_logprobs=True) for i in todo]
+        outs = self.llm.generate(_prompts([prompts[i] for i in todo]), params, use_tqdm=False) if todo else []
+        empty = Scored(np.empty((0, k), np.int32), np.empty((0, k), np.float32), np.empty(0, np.float32))
+        res = [([], False, empty)] * len(prompts)
+        for i, o in zip(todo, outs):
+            new = list(o.outputs[0].token_ids)
+            flat = o.outputs[0].logprobs
+            if len(flat.start_indices) != len(new):
+                raise RuntimeError(f"vLLM returned logprobs for {len(flat.start_indices)} generated steps, "
+                                   f"expected {len(new)}")
+            # entry j: the generated token (any rank), then ranks 1..k, as for a prompt token
+            res[i] = (new, bool(new) and new[-1] in eos_ids,
+                      _topk_from_flat(flat, np.arange(len(new)), np.asarray(new, dtype=np.int64), k))
+        return res
+
 
 def _prompts(seqs):
     """The vLLM boundary: int32 arrays become the lists of Python ints TokensPrompt takes."""
@@ -53,25 +82,22 @@ def _prompts(seqs):
     return [TokensPrompt(prompt_token_ids=np.asarray(s).tolist()) for s in seqs]
 
 
-def _topk_from_flat(flat, positions, k, seq):
-    """Scored for prompt positions, from vLLM FlatLogprobs of the prompt `seq`.
+def _topk_from_flat(flat, rows, targets, k):
+    """Scored for entries `rows` of vLLM FlatLogprobs, whose own tokens are `targets`.
 
-    Entry t+1 holds the prompt token (any rank) followed by ranks 1..k. That fixed layout is read
-    with one vectorised gather; anything else falls back to a per-position selection by rank.
+    An entry holds its token (a prompt token, or the generated one; any rank) followed by ranks 1..k. That
+    fixed layout is read with one vectorised gather; anything else falls back to a per-entry selection by rank.
     """
     start = np.asarray(flat.start_indices)
     end = np.asarray(flat.end_indices)
-    if len(start) != len(seq):
-        raise RuntimeError(f"vLLM returned prompt logprobs for {len(start)} positions, expected {len(seq)}")
     ids = np.asarray(flat.token_ids, dtype=np.int64)
     lps = np.asarray(flat.logprobs, dtype=np.float64)
     ranks = np.asarray(flat.ranks)
     if ranks.dtype == object:                    # a rank can be None; only then pay for a Python pass
         ranks = np.asarray([-1 if r is None else r for r in flat.ranks])
     ranks = ranks.astype(np.int64)
-    rows = np.asarray(positions, dtype=np.int64) + 1
+    rows = np.asarray(rows, dtype=np.int64)
     a, b = start[rows], end[rows]
-    targets = np.asarray(seq, dtype=np.int64)[rows]
     if np.all(b - a == k + 1) and np.array_equal(ids[a], targets):
         cols = a[:, None] + 1 + np.arange(k)[None, :]                  # [P, k]: skip the prompt-token entry
         if np.array_equal(ranks[cols], np.broadcast_to(np.arange(1, k + 1), cols.shape)):
@@ -86,8 +112,8 @@ def _topk_from_flat(flat, positions, k, seq):
         sel = sel[first]
         hit = np.flatnonzero(ids[lo:hi] == targets[row])
         if len(sel) != k or not len(hit):
-            raise RuntimeError(f"vLLM gave {len(sel)} top-k entries at a prompt position, expected {k}, "
-                               f"{'with' if len(hit) else 'without'} the prompt token")
+            raise RuntimeError(f"vLLM gave {len(sel)} top-k entries at a position, expected {k}, "
+                               f"{'with' if len(hit) else 'without'} the position's own token")
         order = lo + sel[np.argsort(r[sel], kind="stable")]
         out_ids[row], out_lp[row], target_lp[row] = ids[order], lps[order], lps[lo + hit[0]]
     return Scored(out_ids, out_lp.astype(np.float32), target_lp.astype(np.float32))

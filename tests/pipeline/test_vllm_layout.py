@@ -1,8 +1,12 @@
-"""Reading vLLM's flat prompt-logprob layout, without starting vLLM."""
+"""Reading vLLM's flat logprob layout (prompt and generated steps), without starting vLLM."""
+import sys
+import types
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from pipeline.teacher_vllm import _topk_from_flat
+from pipeline.teacher_vllm import VLLMTeacher, _topk_from_flat
 
 
 class Flat:
@@ -36,14 +40,49 @@ def test_topk_from_flat_layout(shuffle):
     T, k = 15, 6
     flat = Flat(T, k, 40, np.random.default_rng(1), shuffle=shuffle)
     pos = np.array([0, 3, 4, T - 2])                      # position t reads entry t + 1
-    ids, lps, target = _topk_from_flat(flat, pos, k, np.array(flat.seq))
+    ids, lps, target = _topk_from_flat(flat, pos + 1, np.array(flat.seq)[pos + 1], k)
     assert ids.dtype == np.int32 and lps.dtype == np.float32 and ids.shape == lps.shape == (len(pos), k)
     np.testing.assert_array_equal(ids, np.array(flat.want_ids)[pos])
     np.testing.assert_allclose(lps, np.array(flat.want_lp)[pos], rtol=1e-6)
     np.testing.assert_allclose(target, np.array(flat.want_target)[pos], rtol=1e-6)   # the token itself, any rank
 
 
-def test_wrong_length_is_an_error():
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A teacher whose engine answers with given outputs; a stand-in `vllm` module for its imports."""
+    mod = types.ModuleType("vllm")
+    mod.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    mod.TokensPrompt = lambda prompt_token_ids: prompt_token_ids
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+
+    def make(outputs):
+        t = object.__new__(VLLMTeacher)
+        t.calls = []
+        t.llm = SimpleNamespace(generate=lambda prompts, params, use_tqdm: t.calls.append(params) or outputs)
+        return t
+    return make
+
+
+def test_wrong_length_is_an_error(fake_vllm):
     flat = Flat(5, 3, 20, np.random.default_rng(0))
-    with pytest.raises(RuntimeError, match="expected 6"):
-        _topk_from_flat(flat, np.array([0]), 3, np.zeros(6, np.int32))
+    t = fake_vllm([SimpleNamespace(prompt_logprobs=flat)])
+    with pytest.raises(RuntimeError, match="for 5 positions, expected 6"):
+        t.score([np.zeros(6, np.int32)], [np.array([0])], 3)
+
+
+def test_generate_scored_reads_each_generated_step(fake_vllm):
+    """One pass: the generated ids, and at step j the top-k and the generated token's own log-prob."""
+    k, flat = 4, Flat(6, 4, 30, np.random.default_rng(2))
+    steps = SimpleNamespace(**{name: getattr(flat, name)[1:] for name in ("start_indices", "end_indices")},
+                            token_ids=flat.token_ids, logprobs=flat.logprobs, ranks=flat.ranks)
+    new = flat.seq[1:]                                    # 5 generated tokens; step j is entry j
+    t = fake_vllm([SimpleNamespace(outputs=[SimpleNamespace(token_ids=new, logprobs=steps)])])
+    out = t.generate_scored([np.array([1, 2]), np.array([3])], k=k, max_new_tokens=[5, 0], temperature=0.0,
+                            top_p=1.0, seeds=[7, 8], eos_ids={new[-1]})
+    (params,) = t.calls
+    assert len(params) == 1 and params[0].logprobs == k and params[0].flat_logprobs and params[0].seed == 7
+    (got_new, ended, sc), (none, ended2, empty) = out
+    assert got_new == new and ended and none == [] and not ended2 and empty.ids.shape == (0, k)
+    np.testing.assert_array_equal(sc.ids, np.array(flat.want_ids))
+    np.testing.assert_allclose(sc.logprobs, np.array(flat.want_lp), rtol=1e-6)
+    np.testing.assert_allclose(sc.target_logprobs, np.array(flat.want_target), rtol=1e-6)
