@@ -40,30 +40,23 @@ class VLLMTeacher:
         return out
 
     def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, eos_ids):
-        """See pipeline.teacher.Teacher.generate."""
-        from vllm import SamplingParams
-        params = [SamplingParams(max_tokens=int(n), temperature=temperature, top_p=top_p, seed=int(sd),
-                                 stop_token_ids=[int(t) for t in eos_ids], detokenize=False)
-                  for n, sd in zip(max_new_tokens, seeds)]
-        outs = self.llm.generate(_prompts(prompts), params, use_tqdm=False)
-        res = []
-        for o in outs:
-            new = list(o.outputs[0].token_ids)
-            res.append((new, bool(new) and new[-1] in eos_ids))
-        return res
+        """See pipeline.teacher.Teacher.generate (generate_scored with the scores dropped)."""
+        return [(new, ended) for new, ended, _ in self.generate_scored(
+            prompts, k=1, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seeds=seeds,
+            eos_ids=eos_ids)]
 
     def generate_scored(self, prompts, *, k, max_new_tokens, temperature, top_p, seeds, eos_ids):
         """generate() with each generated step's top-k from the same pass (`logprobs` k, the model's raw
         log-probs: vLLM's default logprobs_mode): one engine pass instead of a generation and a scoring pass.
-        Returns [(new ids, ended, Scored)]."""
+        Returns [(new ids, ended, Scored)]; a prompt with no budget gets ([], False, no rows)."""
         from vllm import SamplingParams
         todo = [i for i, n in enumerate(max_new_tokens) if int(n) >= 1]
         params = [SamplingParams(max_tokens=int(max_new_tokens[i]), temperature=temperature, top_p=top_p,
                                  seed=int(seeds[i]), stop_token_ids=[int(t) for t in eos_ids], detokenize=False,
                                  logprobs=k, flat_logprobs=True) for i in todo]
         outs = self.llm.generate(_prompts([prompts[i] for i in todo]), params, use_tqdm=False) if todo else []
-        empty = Scored(np.empty((0, k), np.int32), np.empty((0, k), np.float32), np.empty(0, np.float32))
-        res = [([], False, empty)] * len(prompts)
+        res = [([], False, Scored(np.empty((0, k), np.int32), np.empty((0, k), np.float32),
+                                  np.empty(0, np.float32))) for _ in prompts]
         for i, o in zip(todo, outs):
             new = list(o.outputs[0].token_ids)
             flat = o.outputs[0].logprobs

@@ -59,11 +59,9 @@ class TeacherWorker:
         samples = unit.samples
         k = self.spec.shard_kwargs["top_k"]
         try:
-            if self.spec.generate and samples and hasattr(self.teacher, "generate_scored"):
-                samples, scored = self._generate_scored(samples, k)
+            if self.spec.generate and samples:
+                samples, scored = self._generate(samples, k)
             else:
-                if self.spec.generate and samples:
-                    samples = self._generate(samples)
                 scored = self.teacher.score([s.input_ids for s in samples], [s.positions for s in samples], k) \
                     if samples else []
         except SampleFailed as e:          # one sequence failed on its own: name its sample
@@ -75,19 +73,17 @@ class TeacherWorker:
                                 sample_end=unit.sample_end, tag=unit.shard_tag, **self.spec.shard_kwargs)
         return {"info": info, "teacher_s": teacher_s, "tokens": int(sum(len(s.input_ids) for s in samples))}
 
-    def _generation_args(self, samples):
+    def _generate(self, samples: list[Sample], k: int):
+        """Prompts -> (prompt + teacher completion samples (see encode.with_completion), their Scored): in one
+        pass where the backend offers generate_scored, else generate then score."""
         g = self.spec.generate
-        return dict(max_new_tokens=[min(g["max_new_tokens"], g["max_length"] - len(s.input_ids)) for s in samples],
+        prompts = [s.input_ids for s in samples]
+        args = dict(max_new_tokens=[min(g["max_new_tokens"], g["max_length"] - len(p)) for p in prompts],
                     temperature=g["temperature"], top_p=g["top_p"], seeds=[g["seed"] + s.sample_id for s in samples],
                     eos_ids=set(g["eos_ids"]))
-
-    def _generate(self, samples: list[Sample]) -> list[Sample]:
-        """Prompts -> prompt + teacher completion (see encode.with_completion)."""
-        gens = self.teacher.generate([s.input_ids for s in samples], **self._generation_args(samples))
-        return [with_completion(s, new, ended) for s, (new, ended) in zip(samples, gens)]
-
-    def _generate_scored(self, samples: list[Sample], k: int):
-        """Prompts -> (prompt + completion samples, their Scored) from one pass of the teacher."""
-        out = self.teacher.generate_scored([s.input_ids for s in samples], k=k, **self._generation_args(samples))
-        return ([with_completion(s, new, ended) for s, (new, ended, _) in zip(samples, out)],
-                [sc for _, _, sc in out])
+        if hasattr(self.teacher, "generate_scored"):
+            out = self.teacher.generate_scored(prompts, k=k, **args)
+            return [with_completion(s, new, ended) for s, (new, ended, _) in zip(samples, out)], [o[2] for o in out]
+        gens = self.teacher.generate(prompts, **args)
+        full = [with_completion(s, new, ended) for s, (new, ended) in zip(samples, gens)]
+        return full, self.teacher.score([s.input_ids for s in full], [s.positions for s in full], k)

@@ -86,3 +86,6 @@ def test_generate_scored_reads_each_generated_step(fake_vllm):
     np.testing.assert_array_equal(sc.ids, np.array(flat.want_ids))
     np.testing.assert_allclose(sc.logprobs, np.array(flat.want_lp), rtol=1e-6)
     np.testing.assert_allclose(sc.target_logprobs, np.array(flat.want_target), rtol=1e-6)
+    # generate() is the same pass with the scores dropped
+    assert t.generate([np.array([1, 2]), np.array([3])], max_new_tokens=[5, 0], temperature=0.0, top_p=1.0,
+                      seeds=[7, 8], eos_ids={new[-1]}) == [(new, True), ([], False)]
