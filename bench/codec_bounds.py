@@ -18,6 +18,10 @@ stream, on the realistic teacher's exact top-k (bench/realistic.py). Models:
   levels, multiset only    the levels without which id has which (rank-order steps per slot): what the
                            ranking itself costs is the difference to "id order"
   zstd-N                   the stored streams through zstd at level N, as bytes (the real coder)
+  zstd-N, rows by token    the same with a shard's rows sorted by input token (stable): a reader could undo
+                           the order from the input ids at no cost in bytes; it brings similar rows together
+                           for zstd to match
+  --temperature T          the teacher's logits divided by T: T < 1 emulates a more confident teacher
 
 The goal in issue 13 is 80 B/pos at k=64 for the whole shard, of which tail mass, target log-probs, input
 ids and offsets take about 9 B.
@@ -104,10 +108,12 @@ def bounds(ids, lp, tokens, vocab):
     return {name: b / 8 / P for name, b in out.items()}, sid, levels
 
 
-def zstd_sizes(sid, levels, id_dtype, level):
+def zstd_sizes(sid, levels, id_dtype, level, order=None):
     from numcodecs import Zstd
     z = Zstd(level=level)
     P = len(sid)
+    if order is not None:
+        sid, levels = sid[order], levels[order]
     return (len(z.encode(steps(sid).astype(id_dtype).tobytes())) / P,
             len(z.encode(levels.astype(np.uint8).tobytes())) / P)
 
@@ -117,14 +123,18 @@ def main():
     ap.add_argument("--workdir", default=os.path.join(ROOT, "bench", "work", "realistic"))
     ap.add_argument("--chats", type=int, default=300)
     ap.add_argument("--ks", default="64,128")
+    ap.add_argument("--temperature", type=float, default=1.0)
     args = ap.parse_args()
     import realistic
     from fidelity import teacher_scores
     built = realistic.build(args.workdir)
-    scored, vocab = teacher_scores(built["teacher"], built["chats"], args.chats)
+    scored, vocab = teacher_scores(built["teacher"], built["chats"], args.chats, args.temperature)
     tokens = np.concatenate([ids[pos] for ids, pos, _ in scored])
     lp_all = [lp for _, _, lp in scored]
-    print(f"{len(scored)} chats, {len(tokens):,} trained positions, vocab {vocab}")
+    entropy = np.mean(np.concatenate([-(np.exp(lp) * lp).sum(1) for lp in lp_all]))
+    print(f"{len(scored)} chats, {len(tokens):,} trained positions, vocab {vocab}, temperature "
+          f"{args.temperature}: mean entropy {entropy:.2f} nats")
+    by_token = np.argsort(tokens, kind="stable")
     for k in map(int, args.ks.split(",")):
         top = [np.argsort(-lp, axis=1, kind="stable")[:, :k] for lp in lp_all]
         ids = np.concatenate(top).astype(np.int64)
@@ -136,6 +146,8 @@ def main():
         for level in (3, 9, 19):
             i, lv = zstd_sizes(sid, levels, np.uint16, level)
             print(f"  zstd-{level:<21}{i:>7.1f} ids {lv:>6.1f} levels")
+            i, lv = zstd_sizes(sid, levels, np.uint16, level, by_token)
+            print(f"  {f'zstd-{level}, rows by token':<26}{i:>7.1f} ids {lv:>6.1f} levels")
         best = min(b["ids, sorted steps"], b["ids, frequency-remapped"], b["ids, same-token ref"])
         print(f"  best ids + best levels    {best + min(b['levels, id order'], b['levels | ref level']):>7.1f}")
 
