@@ -74,19 +74,27 @@ def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_
 
 
 V1_PAYLOAD = ("input_ids", "positions", "tail_mass", "topk_ids", "topk_logprobs")
-PAYLOAD = ("input_ids", "positions", "topk_counts", "tail_mass", "target_logprobs", "topk_ids", "topk_values")
+PAYLOAD = ("input_ids", "positions", "tail_mass", "target_logprobs", "topk_ids", "topk_values")
 INDEX = ("sample_id", "truncated", "token_offsets", "position_offsets")
+
+
+def _readable(version):
+    return version in READS_VERSIONS and not isinstance(version, bool)
 
 
 async def _open(path):
     """(attrs, {payload name: AsyncArray}, {index name: ndarray}) of a shard group, in one event-loop visit:
-    zarr-python runs every read as a coroutine on its own thread, so one gather per step instead of one
-    round trip per array reads a shard ~1.5x faster (bench/fidelity.py)."""
+    zarr-python runs every read as a coroutine on its own thread, and one gather per step instead of one
+    round trip per array makes streamed reads 1.1-1.2x faster (BENCHMARKS.md). Arrays are None when the
+    format version is one this reader does not read."""
     g = await zarr_async.open_group(store=zarr.storage.LocalStore(path, read_only=True), mode="r", zarr_format=3)
     attrs = dict(g.attrs)
-    payload = V1_PAYLOAD if attrs.get("kdcache_format_version") == 1 else PAYLOAD
-    index = INDEX + (() if attrs.get("kdcache_format_version") == 1 else ("topk_counts",))
-    arrays = dict(zip(payload + INDEX, await asyncio.gather(*(g.getitem(n) for n in payload + INDEX))))
+    version = attrs.get("kdcache_format_version")
+    if not _readable(version):
+        return attrs, None, None
+    payload = V1_PAYLOAD if version == 1 else PAYLOAD
+    index = INDEX + (() if version == 1 else ("topk_counts",))
+    arrays = dict(zip(payload + index, await asyncio.gather(*(g.getitem(n) for n in payload + index))))
     got = await asyncio.gather(*(arrays[n].getitem(slice(None)) for n in index))
     return attrs, {n: arrays[n] for n in payload}, dict(zip(index, got))
 
@@ -110,7 +118,7 @@ class Shard:
             raise ShardError(f"{path}: cannot open as a kdcache Zarr group ({type(e).__name__}: {e})") from e
         self.version = attrs.get("kdcache_format_version")
         self.logprob_dtype = attrs.get("logprob_dtype")
-        if self.version not in READS_VERSIONS or isinstance(self.version, bool):
+        if not _readable(self.version):
             raise ShardError(f"{path}: shard format version {self.version!r}, this reader reads "
                              f"{'/'.join(map(str, READS_VERSIONS))}; upgrade kdcache or re-run precompute")
         v1 = self.version == 1
@@ -120,7 +128,8 @@ class Shard:
         if got_k != top_k:
             raise ShardError(f"{path}: top_k is {got_k} in the shard, {top_k} in the manifest")
         # entry e of position p: format 1 rows are [P, k]; format 2 entries are flat, counts per position
-        self._eoff = None if v1 else np.concatenate([[0], np.cumsum(index["topk_counts"], dtype=np.int64)])
+        self._counts = None if v1 else index["topk_counts"]
+        self._eoff = None if v1 else np.concatenate([[0], np.cumsum(self._counts, dtype=np.int64)])
         self._block = (None, None)
 
     def __len__(self):
@@ -140,9 +149,10 @@ class Shard:
             else:
                 e0, e1 = self._eoff[p0], self._eoff[p1]
                 a = sync(_slices(self._a, {"input_ids": (t0, t1), "positions": (p0, p1), "tail_mass": (p0, p1),
-                                           "topk_counts": (p0, p1), "target_logprobs": (p0, p1),
-                                           "topk_ids": (e0, e1), "topk_values": (e0, e1)}))
-                per_entry = {n: a[n] for n in ("topk_counts", "target_logprobs", "topk_ids", "topk_values")}
+                                           "target_logprobs": (p0, p1), "topk_ids": (e0, e1),
+                                           "topk_values": (e0, e1)}))
+                per_entry = dict(topk_counts=self._counts[p0:p1], target_logprobs=a["target_logprobs"],
+                                 topk_ids=a["topk_ids"], topk_values=a["topk_values"])
             cols = layout.Columns(
                 sample_id=self._sid[lo:hi], truncated=self._trunc[lo:hi], token_offsets=self._toff[lo:hi + 1] - t0,
                 input_ids=a["input_ids"], position_offsets=self._poff[lo:hi + 1] - p0,

@@ -262,6 +262,20 @@ def test_a_shard_of_another_format_version_is_refused_by_name(tmp_path, backend,
     assert all("format version" in why for _, why in rep.problems)
 
 
+def test_a_zarr_shard_of_a_later_version_with_other_arrays_is_refused_by_version(tmp_path, monkeypatch):
+    """A later format may rename arrays: the reader names the version, not a missing array."""
+    import shutil
+
+    from cache_format import zarr_backend
+    with monkeypatch.context() as m:
+        m.setattr(zarr_backend, "FORMAT_VERSION", 3)
+        write_cache(tmp_path, make_records(10), shard_size=10, **writer_kwargs("zarr"))
+    name = _shard_rel(tmp_path, 0)
+    shutil.rmtree(tmp_path / name / "topk_values")
+    with pytest.raises(ShardError, match=rf"{name}: shard format version 3, this reader reads 1/2"):
+        open_cache(tmp_path)[0]
+
+
 def _tamper(loc, change):
     """Rewrite a cache's manifest.json with change(manifest) applied (a hostile or damaged manifest)."""
     from cache_format.location import Location
