@@ -34,8 +34,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from cache_format import open_cache, verify_cache  # noqa: E402
-from cache_format.location import Location  # noqa: E402
+from kdcache.cache_format import open_cache, verify_cache  # noqa: E402
+from kdcache.cache_format.location import Location  # noqa: E402
 
 
 def kdcache_cmd(*args):

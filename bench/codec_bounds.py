@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from cache_format.compact import quantize  # noqa: E402
+from kdcache.cache_format.compact import quantize  # noqa: E402
 
 
 def bits(x):

@@ -32,9 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from cache_format import Record, open_cache, write_cache  # noqa: E402
-from cache_format.compact import kl_to_exact  # noqa: E402
-from cache_format.manifest import cache_stats  # noqa: E402
+from kdcache.cache_format import Record, open_cache, write_cache  # noqa: E402
+from kdcache.cache_format.compact import kl_to_exact  # noqa: E402
+from kdcache.cache_format.manifest import cache_stats  # noqa: E402
 
 READS = 5
 MODES = [("float32", None), ("float16", None), ("sqrt8", None), ("float16", 0.9999), ("sqrt8", 0.9999),
@@ -47,8 +47,8 @@ def teacher_scores(teacher_dir, chats_path, limit, temperature=1.0):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.data import parse_record
-    from pipeline.encode import Encoder, end_of_turn_ids
+    from kdcache.pipeline.data import parse_record
+    from kdcache.pipeline.encode import Encoder, end_of_turn_ids
     tok = AutoTokenizer.from_pretrained(teacher_dir)
     model = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
     enc = Encoder(tok, template="chat", max_length=1024, eos_ids=end_of_turn_ids(tok))

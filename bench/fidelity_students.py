@@ -27,7 +27,7 @@ def kdcache(*args):
 def cache(root, name, dtype, top_p, backend):
     out = os.path.join(root, "fidelity", f"cache-{name}")
     args = ["precompute", "--teacher", os.path.join(root, "teacher"), "--data",
-            os.path.join(root, "data", "train.jsonl"), "--out", out, "--top-k", 64, "--shard-size", 500,
+            os.path.join(root, "data", "kdcache.train.jsonl"), "--out", out, "--top-k", 64, "--shard-size", 500,
             "--backend", backend, "--max-length", 256, "--logprob-dtype", dtype, "--no-progress"]
     kdcache(*args, *(["--top-p", top_p] if top_p else []))
     return out

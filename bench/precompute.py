@@ -104,7 +104,7 @@ def main():
     ap.add_argument("--samples", "--records", dest="records", type=int, default=2000,
                     help="chats in the dataset (2,000 is the reference size of the whole-process figure)")
     ap.add_argument("--k", type=int, default=64)
-    from pipeline.teacher import TEACHERS
+    from kdcache.pipeline.teacher import TEACHERS
     ap.add_argument("--backend", default="vllm", choices=tuple(TEACHERS))
     ap.add_argument("--shard-size", type=int, default=500)
     ap.add_argument("--repeat", type=int, default=1, help="whole-process runs of each side (medians reported)")
@@ -122,8 +122,8 @@ def main():
         # The exact work units the pipeline will run.
         from transformers import AutoTokenizer
 
-        from pipeline.data import iter_records, parse_record
-        from pipeline.encode import Encoder
+        from kdcache.pipeline.data import iter_records, parse_record
+        from kdcache.pipeline.encode import Encoder
         tok = AutoTokenizer.from_pretrained(teacher)
         enc = Encoder(tok, max_length=MAX_LENGTH)
         items = [enc.encode(parse_record(r.data)) for r in iter_records(data)]
@@ -154,7 +154,7 @@ def main():
             walls.append(k_wall)
 
         if not args.no_steady:
-            from pipeline.teacher import make_teacher
+            from kdcache.pipeline.teacher import make_teacher
             backend = make_teacher(args.backend, teacher, dtype="float32", max_length=MAX_LENGTH, max_top_k=args.k,
                                    batch_tokens=BATCH_TOKENS)
             backend.score([shards[0][0].input_ids], [shards[0][0].positions], args.k)       # warm-up

@@ -21,13 +21,13 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from storage import build  # noqa: E402
 
-from cache_format import write_cache  # noqa: E402
+from kdcache.cache_format import write_cache  # noqa: E402
 from tests.helpers.s3server import S3Server, upload_dir  # noqa: E402
 
 
 def read_epoch(where, readahead, pace=0, prefetch=2):
     """One epoch through the trainer's reader. pace > 0: consume like a trainer taking tokens at that rate."""
-    from train.data import CacheStream
+    from kdcache.train.data import CacheStream
     t0 = time.perf_counter()
     s = CacheStream(where, seed=0, epochs=1, readahead=readahead, prefetch=prefetch)
     tokens, first = 0, None

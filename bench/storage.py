@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cache_format import Record, open_cache, tail_mass_from_logprobs, write_cache  # noqa: E402
+from kdcache.cache_format import Record, open_cache, tail_mass_from_logprobs, write_cache  # noqa: E402
 
 
 def teacher_like(rng, n_pos, k, vocab):

@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train.losses import LossConfig, chunked_kd_loss, kd_loss_from_logits  # noqa: E402
+from kdcache.train.losses import LossConfig, chunked_kd_loss, kd_loss_from_logits  # noqa: E402
 
 
 def model(vocab, hidden, layers, seed):

@@ -6,13 +6,11 @@ imported only when a URL is used. The byte layout is in SPEC.md.
 from .errors import (  # noqa: F401
     CacheError,
     FingerprintError,
-    KdcacheError,
     LockedError,
     ManifestError,
     ManifestMissing,
     RecordError,
     ShardError,
-    TrainDataError,
 )
 from .fingerprint import fingerprint, hash_file, hash_json, hash_tree  # noqa: F401
 from .manifest import FORMAT_VERSION, load_manifest  # noqa: F401

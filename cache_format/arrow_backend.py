@@ -7,10 +7,10 @@ import numpy as np
 import pyarrow as pa
 
 from . import layout
-from .atomic import write_new
 from .compact import VALUE_DTYPES, id_dtype_of
 from .errors import ShardError
 from .manifest import FORMAT_VERSION, READS_VERSIONS
+from .publish import write_new
 
 EXT = "arrow"
 CODECS = ("lz4", "zstd", "none")

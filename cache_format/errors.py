@@ -1,67 +1,15 @@
-"""The one exception hierarchy of kdcache.
+"""The cache's errors: CacheError and below (the root, KdcacheError, is in kdcache.common.errors).
 
-Every kdcache error derives from KdcacheError; the `kdcache` command catches it
-once, prints the message and exits 2. Every message names the file, line,
-record, shard or key, what was expected, what was found, and what to do.
-
-    KdcacheError
-    ├── ConfigError          a bad key or value in a config file or flag
-    ├── DataError            the dataset cannot be read, or holds a malformed record under --on-bad-record fail
-    │   ├── BadRecord        one record cannot be parsed (the job counts it, lists it, or fails on it)
-    │   └── SkipSample       one record is valid but unusable under the job's policy (reason: a short key)
-    ├── TokenizerMismatch    the student's tokenizer is not the one the cache's ids came from
-    ├── WorkerDied           a teacher worker was killed or failed mid-job (committed shards are safe)
-    ├── Interrupted          a signal stopped the job before it could finish its work in hand (exit 128+N)
-    └── CacheError           anything wrong with a logit cache
-        ├── ManifestError    manifest.json is unreadable, of an unknown version, or unsafe
-        │   └── ManifestMissing   no manifest.json: not a cache, or nothing committed yet
-        ├── ShardError       a shard is missing, damaged, or disagrees with the manifest
-        ├── RecordError      a record handed to a writer breaks the format's invariants
-        ├── FingerprintError the fingerprint cannot be computed, or differs from the existing cache
-        ├── LockedError      another writer holds the cache
-        ├── ConflictError    a conditional write lost a race (another process wrote first)
-        └── TrainDataError   the cache cannot feed this training run (too few shards, no end-of-turn, ...)
+    CacheError               anything wrong with a logit cache
+    ├── ManifestError        manifest.json is unreadable, of an unknown version, or unsafe
+    │   └── ManifestMissing  no manifest.json: not a cache, or nothing committed yet
+    ├── ShardError           a shard is missing, damaged, or disagrees with the manifest
+    ├── RecordError          a record handed to a writer breaks the format's invariants
+    ├── FingerprintError     the fingerprint cannot be computed, or differs from the existing cache
+    ├── LockedError          another writer holds the cache
+    └── ConflictError        a conditional write lost a race (another process wrote first)
 """
-
-
-class KdcacheError(Exception):
-    """Root of every kdcache error."""
-
-
-class ConfigError(KdcacheError):
-    """A bad key or value in a config file or flag."""
-
-
-class DataError(KdcacheError):
-    """The dataset cannot be read, or holds a malformed record under on_bad_record=fail."""
-
-
-class BadRecord(DataError):
-    """A record that cannot be parsed; the message says which field and why."""
-
-
-class SkipSample(DataError):
-    """A record that cannot be used under the job's policy; `reason` is the key it is counted under."""
-
-    def __init__(self, reason, message):
-        super().__init__(message)
-        self.reason = reason
-
-
-class TokenizerMismatch(KdcacheError):
-    """The student's tokenizer differs from the one the cache's token ids came from."""
-
-
-class WorkerDied(KdcacheError):
-    """A teacher worker was killed or crashed mid-job."""
-
-
-class Interrupted(KdcacheError):
-    """A signal (e.g. SIGTERM to the whole process group) stopped the job's workers; what was committed is safe."""
-
-    def __init__(self, message, signal_name, signum):
-        super().__init__(message)
-        self.signal_name, self.exit_code = signal_name, 128 + int(signum)
+from kdcache.common.errors import KdcacheError
 
 
 class CacheError(KdcacheError):
@@ -94,7 +42,3 @@ class LockedError(CacheError):
 
 class ConflictError(CacheError):
     """A conditional write failed: the object exists, or changed since this process last wrote it."""
-
-
-class TrainDataError(CacheError):
-    """The cache cannot feed this training run as configured."""

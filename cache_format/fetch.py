@@ -14,7 +14,8 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
-from .atomic import remove
+from kdcache.common.atomic import remove
+
 from .errors import ShardError
 from .fingerprint import hash_tree
 from .lease import process_dir

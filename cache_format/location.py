@@ -14,7 +14,8 @@ import shutil
 import tempfile
 import uuid
 
-from .atomic import atomic_write_bytes, crash_point, remove
+from kdcache.common.atomic import atomic_write_bytes, crash_point, remove
+
 from .errors import CacheError, ConflictError
 
 NO_SUCH_ETAG = '"' + "0" * 32 + '"'     # an MD5-shaped ETag no object has: If-Match on it must fail

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .atomic import disk_bytes, remove
+from kdcache.common.atomic import disk_bytes, remove
+
 from .backends import get_backend
 from .errors import CacheError, RecordError, ShardError
 from .fingerprint import check_shard_tree, hash_tree

@@ -17,10 +17,10 @@ from zarr.codecs import BloscCodec, ZstdCodec
 from zarr.core.sync import sync
 
 from . import layout
-from .atomic import write_new
 from .errors import ShardError
 from .fingerprint import check_shard_tree
 from .manifest import FORMAT_VERSION, READS_VERSIONS
+from .publish import write_new
 
 EXT = "zarr"
 CODECS = ("zstd", "blosc-zstd", "none")

@@ -27,14 +27,14 @@ import importlib
 __version__ = "0.1.0"
 
 _API = {
-    "open_cache": "cache_format.reader",
-    "Record": "cache_format.record",
-    "CacheDataset": "train.dataset",
-    "collate": "train.batch",
-    "Batch": "train.batch",
-    "kd_loss": "train.api",
-    "kd_loss_chunked": "train.api",
-    "LossConfig": "train.losses",
+    "open_cache": "kdcache.cache_format.reader",
+    "Record": "kdcache.cache_format.record",
+    "CacheDataset": "kdcache.train.dataset",
+    "collate": "kdcache.train.batch",
+    "Batch": "kdcache.train.batch",
+    "kd_loss": "kdcache.train.api",
+    "kd_loss_chunked": "kdcache.train.api",
+    "LossConfig": "kdcache.train.losses",
 }
 __all__ = sorted(_API)
 

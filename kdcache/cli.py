@@ -3,19 +3,19 @@ import importlib
 import os
 import sys
 
-from cache_format.errors import KdcacheError
+from kdcache.common.errors import KdcacheError
 
 # name -> (module, function, one-line help). Imported lazily so `kdcache verify`
 # never pays for importing torch or vLLM.
 COMMANDS = {
     "demo": ("kdcache.demo.run", "main", "the embedded default: teacher, cache, distilled student, report"),
-    "precompute": ("pipeline.cli", "main", "run the teacher once over a dataset and write a logit cache"),
-    "train": ("train.cli", "main", "distil a student from a logit cache (DeepSpeed, resumable)"),
-    "eval": ("train.eval", "main", "compare teacher and students on held-out prompts; writes report.md"),
-    "inspect": ("cache_format.cli", "inspect_main", "summarize a logit cache"),
-    "verify": ("cache_format.cli", "verify_main", "check every checksum and invariant of a cache"),
-    "ls": ("cache_format.cli", "ls_main", "list the caches in a store (directory or s3://, gs://, ... URL)"),
-    "gc": ("cache_format.cli", "gc_main", "remove incomplete or unused caches from a store (never ones in use)"),
+    "precompute": ("kdcache.pipeline.cli", "main", "run the teacher once over a dataset and write a logit cache"),
+    "train": ("kdcache.train.cli", "main", "distil a student from a logit cache (DeepSpeed, resumable)"),
+    "eval": ("kdcache.train.eval", "main", "compare teacher and students on held-out prompts; writes report.md"),
+    "inspect": ("kdcache.cache_format.cli", "inspect_main", "summarize a logit cache"),
+    "verify": ("kdcache.cache_format.cli", "verify_main", "check every checksum and invariant of a cache"),
+    "ls": ("kdcache.cache_format.cli", "ls_main", "list the caches in a store (a directory or a URL)"),
+    "gc": ("kdcache.cache_format.cli", "gc_main", "remove incomplete or unused caches from a store (not in use)"),
 }
 
 

@@ -15,7 +15,7 @@ after the generation prompt) is trained: it is what the model emits before answe
 """
 import numpy as np
 
-from cache_format.errors import BadRecord, SkipSample
+from kdcache.common.errors import BadRecord, SkipSample
 
 TEMPLATE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError)   # plus jinja2's, below
 

@@ -1,5 +1,5 @@
 """`kdcache precompute`: run the teacher once over a dataset and write a logit cache."""
-from kdcache.config import run_command
+from kdcache.common.config import run_command
 
 from .config import PrecomputeConfig
 

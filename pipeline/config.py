@@ -1,9 +1,9 @@
 """Precompute settings: one typed dataclass, from YAML and flags."""
 from dataclasses import dataclass
 
-from cache_format.backends import BACKENDS
-from cache_format.compact import LOGPROB_DTYPES
-from kdcache.config import field, validate
+from kdcache.cache_format.backends import BACKENDS
+from kdcache.cache_format.compact import LOGPROB_DTYPES
+from kdcache.common.config import field, validate
 
 from .teacher import TEACHERS
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cache_format.errors import BadRecord, DataError
+from kdcache.common.errors import BadRecord, DataError
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -21,8 +21,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from cache_format.errors import Interrupted, WorkerDied
-from kdcache.signals import SIGNALS, StopFlag
+from kdcache.common.errors import Interrupted, WorkerDied
+from kdcache.common.signals import SIGNALS, StopFlag
 
 from .worker import TeacherWorker, Unit
 

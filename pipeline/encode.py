@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cache_format.errors import ConfigError, SkipSample
-from cache_format.record import span_positions
+from kdcache.cache_format.record import span_positions
+from kdcache.common.errors import ConfigError, SkipSample
 
 from .chat import chat_spans, render
 from .data import Example

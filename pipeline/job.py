@@ -15,15 +15,15 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from cache_format import CacheError, CacheWriter, hash_json, hash_tree
-from cache_format.errors import BadRecord, ConfigError, DataError, SkipSample
-from cache_format.lease import stamp_use
-from cache_format.location import Location
-from cache_format.manifest import MANIFEST_NAME, SHARD_DIR
-from cache_format.store import is_store
-from cache_format.store import resolve as resolve_in_store
-from cache_format.tokenizer_id import tokenizer_identity
-from cache_format.writer import cache_fingerprint, existing_manifest, num_shards
+from kdcache.cache_format import CacheError, CacheWriter, hash_json, hash_tree
+from kdcache.cache_format.lease import stamp_use
+from kdcache.cache_format.location import Location
+from kdcache.cache_format.manifest import MANIFEST_NAME, SHARD_DIR
+from kdcache.cache_format.store import is_store
+from kdcache.cache_format.store import resolve as resolve_in_store
+from kdcache.cache_format.tokenizer_id import tokenizer_identity
+from kdcache.cache_format.writer import cache_fingerprint, existing_manifest, num_shards
+from kdcache.common.errors import BadRecord, ConfigError, DataError, SkipSample
 
 from . import summary as report
 from .data import iter_records, parse_record

@@ -15,7 +15,7 @@ import tempfile
 import numpy as np
 import pyarrow as pa
 
-from cache_format.lease import process_dir
+from kdcache.cache_format.lease import process_dir
 
 from .encode import Sample
 

@@ -4,9 +4,9 @@ import os
 import time
 from collections import Counter
 
-from cache_format.location import Location
-from cache_format.manifest import fidelity_text, teacher_ce_text
-from kdcache.config import dumps
+from kdcache.cache_format.location import Location
+from kdcache.cache_format.manifest import fidelity_text, teacher_ce_text
+from kdcache.common.config import dumps
 
 REPORT_DIR = "report"
 

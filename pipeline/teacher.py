@@ -9,13 +9,13 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from cache_format.errors import ConfigError, KdcacheError
+from kdcache.common.errors import ConfigError, KdcacheError
 
 # name -> "module:Class". `auto` chooses among them by the machine (choose_backend).
 TEACHERS = {
-    "vllm": "pipeline.teacher_vllm:VLLMTeacher",
-    "hf": "pipeline.teacher_hf:HFTeacher",
-    "served": "pipeline.teacher_served:ServedTeacher",     # a vLLM server at an http(s):// URL
+    "vllm": "kdcache.pipeline.teacher_vllm:VLLMTeacher",
+    "hf": "kdcache.pipeline.teacher_hf:HFTeacher",
+    "served": "kdcache.pipeline.teacher_served:ServedTeacher",     # a vLLM server at an http(s):// URL
 }
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from kdcache.batching import budget_groups
-from kdcache.heads import logit_transform
+from kdcache.common.batching import budget_groups
+from kdcache.common.heads import logit_transform
 
 from .teacher import Scored
 

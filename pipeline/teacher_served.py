@@ -23,7 +23,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import numpy as np
 
-from cache_format.errors import KdcacheError
+from kdcache.common.errors import KdcacheError
 
 from .teacher import SampleFailed, Scored
 
@@ -180,7 +180,7 @@ def check_top_k(url, server, k, client=None):
     try:
         client.request("POST", "/completions", body, what=f"probe request (prompt_logprobs={k})")
     except SampleFailed as e:
-        from cache_format.errors import ConfigError
+        from kdcache.common.errors import ConfigError
         raise ConfigError(f"top_k: {k} is refused by the teacher server at {client.url}: {e}. Start the server with "
                           f"--max-logprobs {k} or more (vllm serve ... --max-logprobs {k}), or lower --top-k") from None
 

@@ -6,7 +6,7 @@ given. It returns the shard's manifest entry; the driver commits it.
 import time
 from dataclasses import dataclass
 
-from cache_format import Record, write_shard_file
+from kdcache.cache_format import Record, write_shard_file
 
 from .encode import Sample, with_completion
 from .teacher import SampleFailed, make_teacher

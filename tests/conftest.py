@@ -9,6 +9,23 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+class _NoBareNames:
+    """The repository root is on sys.path here (for `tests.helpers`), which would let a stray `import pipeline`
+    find the repository's folder and pass, while it fails for users (their train.py or pipeline/ comes first).
+    kdcache installs one import root: refuse the bare names in the test process."""
+    BARE = ("cache_format", "pipeline", "train")
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.partition(".")[0] in cls.BARE:
+            raise ImportError(f"import {name!r}: kdcache's own code lives under kdcache.{name}; "
+                              "a bare name would be a user's module")
+        return None
+
+
+sys.meta_path.insert(0, _NoBareNames)
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """{'teacher': dir with a random-init Qwen2 + ChatML tokenizer, 'tok': tokenizer, 'records': demo records}."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from cache_format.errors import TrainDataError
+from kdcache.common.errors import TrainDataError
 
 
 @dataclass

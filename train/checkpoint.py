@@ -21,8 +21,8 @@ import uuid
 import numpy as np
 import torch
 
-from cache_format.atomic import atomic_write_bytes, fsync_path, fsync_tree
-from cache_format.errors import TrainDataError
+from kdcache.common.atomic import atomic_write_bytes, fsync_path, fsync_tree
+from kdcache.common.errors import TrainDataError
 
 CKPT_DIR = "checkpoints"
 RUN_FILE = "run_id.json"     # beside checkpoints/, not in it: that directory holds only step-* entries

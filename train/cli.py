@@ -3,7 +3,7 @@ import argparse
 import os
 import sys
 
-from kdcache.config import run_command
+from kdcache.common.config import run_command
 
 from .config import TrainConfig
 

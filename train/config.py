@@ -1,7 +1,7 @@
 """Trainer settings: one typed dataclass, from YAML and flags."""
 from dataclasses import dataclass
 
-from kdcache.config import ConfigError, field, validate
+from kdcache.common.config import ConfigError, field, validate
 
 from .losses import LossConfig
 

@@ -15,9 +15,10 @@ import threading
 
 import numpy as np
 
-from cache_format import ShardError, TrainDataError, hash_json, open_cache
-from cache_format.reader import READ_AHEAD
-from kdcache.batching import budget_groups
+from kdcache.cache_format import ShardError, hash_json, open_cache
+from kdcache.cache_format.reader import READ_AHEAD
+from kdcache.common.batching import budget_groups
+from kdcache.common.errors import TrainDataError
 
 
 class CacheStream:

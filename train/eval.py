@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from cache_format.errors import ConfigError, DataError
-from cache_format.record import span_positions
+from kdcache.cache_format.record import span_positions
+from kdcache.common.errors import ConfigError, DataError
 
 from .metrics import read_metrics
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cache_format.errors import ConfigError
+from kdcache.common.errors import ConfigError
 
 _NEG_INF = float("-inf")
 # Reverse KL (beta == 1) divides by the teacher, and a teacher bucket can be exactly 0 (tail_mass rounds to 0 when
@@ -255,7 +255,7 @@ def chunked_kd_loss(hidden: Tensor, lm_head_weight: Tensor, topk_ids: Tensor, to
 
     hidden [N, H], lm_head_weight [V, H], lm_head_bias [V] or None; the rest as in kd_loss_from_logits.
     logit_transform f: what the model's forward does after lm_head (soft-capping, scaling; see
-    kdcache/heads.py), applied inside each chunk, or None.
+    kdcache/common/heads.py), applied inside each chunk, or None.
     At most one chunk's [chunk, V] float32 logits (and their gradient) are alive at any moment, and the
     backward pass recomputes nothing (see _FusedChunks). Gradients accumulate in float32.
     """

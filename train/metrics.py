@@ -2,7 +2,7 @@
 import json
 import os
 
-from cache_format.atomic import atomic_write_bytes
+from kdcache.common.atomic import atomic_write_bytes
 
 METRICS = "metrics.jsonl"
 

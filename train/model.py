@@ -4,9 +4,9 @@ import os
 import torch
 from torch import nn
 
-from cache_format.errors import TokenizerMismatch
-from cache_format.tokenizer_id import diff_identity, tokenizer_identity
-from kdcache.heads import logit_transform
+from kdcache.cache_format.tokenizer_id import diff_identity, tokenizer_identity
+from kdcache.common.errors import TokenizerMismatch
+from kdcache.common.heads import logit_transform
 
 from .batch import Batch
 from .losses import LossConfig, chunked_kd_loss, kd_loss_from_logits

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_format.atomic import atomic_write_bytes, publish, remove
-from cache_format.errors import ConfigError, TrainDataError
-from cache_format.manifest import load_manifest
-from cache_format.record import lacks_end_of_turn
-from kdcache.config import dump
-from kdcache.signals import StopFlag
+from kdcache.cache_format.manifest import load_manifest
+from kdcache.cache_format.record import lacks_end_of_turn
+from kdcache.common.atomic import atomic_write_bytes, publish, remove
+from kdcache.common.config import dump
+from kdcache.common.errors import ConfigError, TrainDataError
+from kdcache.common.signals import StopFlag
 
 from . import checkpoint
 from .batch import collate

@@ -51,7 +51,7 @@ def build_data(root, p):
         return d
     os.makedirs(d, exist_ok=True)
     train, held = make_splits(p["n_train"], p["n_heldout"], seed=0)
-    write_jsonl(train, os.path.join(d, "train.jsonl"))
+    write_jsonl(train, os.path.join(d, "kdcache.train.jsonl"))
     write_jsonl(held, os.path.join(d, "heldout.jsonl"))
     say(f"task data: {len(train)} train, {len(held)} held-out chats in {d}")
     return d
@@ -65,7 +65,7 @@ def build_teacher(root, data_dir, p):
         return out
     from .task import corpus
     from .tokenizer import train_tokenizer
-    records = [json.loads(x) for x in open(os.path.join(data_dir, "train.jsonl"))]
+    records = [json.loads(x) for x in open(os.path.join(data_dir, "kdcache.train.jsonl"))]
     tok = train_tokenizer(list(corpus(records)), os.path.join(root, "tokenizer"), vocab_size=p["vocab"])
     say(f"tokenizer: {len(tok)} tokens, eos {tok.eos_token!r}; training the teacher ({p['teacher_steps']} steps)")
     t0 = time.time()
@@ -95,7 +95,7 @@ def student_config(root, teacher, p):
 
 def run_precompute(root, data_dir, teacher, p, control, teacher_backend):
     out = os.path.join(root, "cache_no_eos" if control else "cache")
-    args = ["precompute", "--teacher", teacher, "--data", os.path.join(data_dir, "train.jsonl"), "--out", out,
+    args = ["precompute", "--teacher", teacher, "--data", os.path.join(data_dir, "kdcache.train.jsonl"), "--out", out,
             "--top-k", p["top_k"], "--shard-size", p["shard_size"], "--backend", teacher_backend, "--max-length", 256,
             "--worker-cpus", 0.5]
     if control:
@@ -139,7 +139,7 @@ def main(argv=None):
     ap.add_argument("--stage", choices=STAGES, default="eval", help="stop after this stage")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (the test suite's version); no quality bars")
     ap.add_argument("--no-control", action="store_true", help="skip the control experiment (EOS removed)")
-    from pipeline.teacher import TEACHERS, choose_backend
+    from kdcache.pipeline.teacher import TEACHERS, choose_backend
     ap.add_argument("--backend", choices=("auto", *(t for t in TEACHERS if t != "served")), default="auto",
                     help="teacher backend for precompute (auto: vLLM with a CUDA GPU, transformers on CPU)")
     args = ap.parse_args(argv)

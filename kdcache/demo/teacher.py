@@ -13,8 +13,8 @@ import time
 import numpy as np
 import torch
 
-from pipeline.data import parse_record
-from pipeline.encode import Encoder
+from kdcache.pipeline.data import parse_record
+from kdcache.pipeline.encode import Encoder
 
 from .models import make_model, save
 

@@ -2,7 +2,7 @@
 import json
 import re
 
-from cache_format import write_cache
+from kdcache.cache_format import write_cache
 from tests.helpers.cli import kdcache
 from tests.helpers.records import make_records, writer_kwargs
 
@@ -30,7 +30,7 @@ def test_the_card_says_what_the_cache_holds_and_its_snippets_load_it(tmp_path, m
 
 
 def test_ls_links_the_card(tmp_path):
-    from cache_format.store import cache_name, init_store
+    from kdcache.cache_format.store import cache_name, init_store
     init_store(str(tmp_path))
     name = cache_name("tiny", "0123456789abcdef" * 4)
     write_cache(tmp_path / name, make_records(5), shard_size=5, **writer_kwargs("arrow"))

@@ -1,6 +1,6 @@
 import json
 
-from cache_format import write_cache
+from kdcache.cache_format import write_cache
 from tests.helpers.cli import kdcache
 from tests.helpers.records import make_records, writer_kwargs
 

@@ -5,9 +5,9 @@ import shutil
 import numpy as np
 import pytest
 
-from cache_format import compact, open_cache, write_cache
-from cache_format.manifest import cache_stats
-from cache_format.verify import verify_cache
+from kdcache.cache_format import compact, open_cache, write_cache
+from kdcache.cache_format.manifest import cache_stats
+from kdcache.cache_format.verify import verify_cache
 from tests.helpers.cli import ROOT, kdcache
 from tests.helpers.records import make_records, writer_kwargs
 

@@ -4,13 +4,13 @@ import os
 
 import pytest
 
-from cache_format import open_cache, write_cache
+from kdcache.cache_format import open_cache, write_cache
 from tests.helpers.records import make_records, writer_kwargs
 
 
 def _stream_all(path, epochs, q):
     try:
-        from train.data import CacheStream
+        from kdcache.train.data import CacheStream
         s = CacheStream(path, seed=os.getpid(), epochs=epochs)
         q.put(("reader", sorted(r.sample_id for r, _ in s.samples())))
     except BaseException as e:  # report, do not hang the parent

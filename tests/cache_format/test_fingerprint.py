@@ -1,7 +1,7 @@
 import pytest
 
-from cache_format import FingerprintError, fingerprint, hash_tree
-from cache_format.fingerprint import canonical_json, diff_parts
+from kdcache.cache_format import FingerprintError, fingerprint, hash_tree
+from kdcache.cache_format.fingerprint import canonical_json, diff_parts
 
 
 def test_invariant_to_key_order():

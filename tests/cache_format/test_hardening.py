@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from cache_format import (
+from kdcache.cache_format import (
     CacheError,
     CacheWriter,
     ShardError,
@@ -19,7 +19,7 @@ from cache_format import (
     write_cache,
     write_shard_file,
 )
-from cache_format.location import Location
+from kdcache.cache_format.location import Location
 from tests.helpers.records import make_records, writer_kwargs
 
 
@@ -187,7 +187,7 @@ def _bpe(merges):
 
 
 def test_the_same_vocabulary_with_other_merges_is_another_tokenizer():
-    from cache_format.tokenizer_id import diff_identity, tokenizer_identity
+    from kdcache.cache_format.tokenizer_id import diff_identity, tokenizer_identity
     one, two = _bpe([("a", "b"), ("b", "c")]), _bpe([("b", "c"), ("a", "b")])
     assert one("abc")["input_ids"] != two("abc")["input_ids"]            # the same text, other ids
     a, b = tokenizer_identity(one), tokenizer_identity(two)
@@ -201,7 +201,7 @@ def test_the_same_vocabulary_with_another_normalizer_is_another_tokenizer(tmp_pa
 
     from tokenizers import normalizers
 
-    from cache_format.tokenizer_id import diff_identity, tokenizer_identity
+    from kdcache.cache_format.tokenizer_id import diff_identity, tokenizer_identity
     from kdcache.demo.tokenizer import train_tokenizer
     tok = train_tokenizer(["Hello World, a Test of Tokens."] * 30, str(tmp_path / "t"), vocab_size=300)
     lower = copy.deepcopy(tok)

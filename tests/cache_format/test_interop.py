@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from cache_format import open_cache, write_cache
+from kdcache.cache_format import open_cache, write_cache
 from tests.helpers.cli import ROOT
 from tests.helpers.records import make_records, writer_kwargs
 

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-import cache_format.lease as lease_mod
-from cache_format import CacheWriter, LockedError, ManifestError, open_cache, verify_cache, write_shard_file
-from cache_format.lease import Lease, is_live, pid_namespace, process_dir, process_tag
-from cache_format.location import Location
-from cache_format.manifest import load_manifest
+import kdcache.cache_format.lease as lease_mod
+from kdcache.cache_format import CacheWriter, LockedError, ManifestError, open_cache, verify_cache, write_shard_file
+from kdcache.cache_format.lease import Lease, is_live, pid_namespace, process_dir, process_tag
+from kdcache.cache_format.location import Location
+from kdcache.cache_format.manifest import load_manifest
 from tests.helpers.records import make_records, writer_kwargs
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"

@@ -3,8 +3,8 @@ import dataclasses
 
 import numpy as np
 
-from cache_format import open_cache, tail_mass_from_logprobs, write_cache
-from cache_format.record import lacks_end_of_turn, span_positions
+from kdcache.cache_format import open_cache, tail_mass_from_logprobs, write_cache
+from kdcache.cache_format.record import lacks_end_of_turn, span_positions
 from tests.helpers.records import EOS, make_records, writer_kwargs
 
 
@@ -34,8 +34,8 @@ def test_an_impossible_token_in_the_top_k_is_stored_at_the_floor(tmp_path):
     """One -inf log-prob (a masked vocabulary row) used to fail the whole job in check_record."""
     import torch
 
-    from cache_format.record import LOGPROB_FLOOR
-    from train.losses import LossConfig, gkd_per_position
+    from kdcache.cache_format.record import LOGPROB_FLOOR
+    from kdcache.train.losses import LossConfig, gkd_per_position
     recs = make_records(3, seed=4)
     recs[1].topk_logprobs[:, -1] = -np.inf
     recs[1].tail_mass = None                          # the writer derives it, as from a teacher

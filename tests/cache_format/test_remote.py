@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from cache_format import (
+from kdcache.cache_format import (
     CacheError,
     CacheWriter,
     LockedError,
@@ -19,10 +19,10 @@ from cache_format import (
     write_cache,
     write_shard_file,
 )
-from cache_format.cli import inspect_main, verify_main
-from cache_format.fetch import ShardFetcher
-from cache_format.lease import boot_id, live_readers, pid_namespace, process_tag
-from cache_format.location import Location
+from kdcache.cache_format.cli import inspect_main, verify_main
+from kdcache.cache_format.fetch import ShardFetcher
+from kdcache.cache_format.lease import boot_id, live_readers, pid_namespace, process_tag
+from kdcache.cache_format.location import Location
 from tests.helpers.cli import ROOT
 from tests.helpers.records import make_records, writer_kwargs
 
@@ -124,7 +124,7 @@ def test_uploaded_shard_is_invisible_until_committed(bucket):
 WRITER = """
 import sys
 sys.path.insert(0, {root!r})
-from cache_format import write_cache
+from kdcache.cache_format import write_cache
 from tests.helpers.records import make_records, writer_kwargs
 write_cache({url!r}, make_records(40, seed=7), shard_size=8, **writer_kwargs("zarr"))
 """
@@ -200,7 +200,7 @@ def test_fetcher_stays_within_its_budget_and_reads_ahead(bucket):
 def _reader(url, ready, go, q):
     try:
         sys.path.insert(0, ROOT)
-        from train.data import CacheStream
+        from kdcache.train.data import CacheStream
         s = CacheStream(url, seed=os.getpid(), epochs=2, track_use=True)
         ready.put(os.getpid())
         go.wait(60)

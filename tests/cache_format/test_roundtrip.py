@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from cache_format import open_cache, write_cache
+from kdcache.cache_format import open_cache, write_cache
 from tests.helpers.records import make_records, writer_kwargs
 
 BACKENDS = ["arrow", "zarr"]
@@ -44,7 +44,7 @@ def test_random_access_equals_streaming(tmp_path, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_shard_round_trips(tmp_path, backend):
-    from cache_format import CacheWriter
+    from kdcache.cache_format import CacheWriter
     with CacheWriter(tmp_path, num_shards_planned=2, **writer_kwargs(backend)) as w:
         w.write_shard(0, [], sample_start=0, sample_end=10)     # every record of the unit was skipped
         w.write_shard(1, make_records(3), sample_start=10, sample_end=13)

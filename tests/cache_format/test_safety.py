@@ -7,7 +7,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from cache_format import (
+from kdcache.cache_format import (
     CacheWriter,
     FingerprintError,
     LockedError,
@@ -78,7 +78,7 @@ def test_reader_never_sees_unlisted_shard(tmp_path, backend):
     with CacheWriter(tmp_path, num_shards_planned=2, **writer_kwargs(backend)) as w:
         w.write_shard(0, recs[:20], sample_start=0, sample_end=20)
         # A crash after the shard file is published but before the manifest commit:
-        from cache_format import write_shard_file
+        from kdcache.cache_format import write_shard_file
         write_shard_file(tmp_path, 1, recs[20:], backend=backend, top_k=8, vocab_size=300,
                          sample_start=20, sample_end=40)
     cache = open_cache(tmp_path)
@@ -104,7 +104,7 @@ def test_concurrent_writer_refused(tmp_path):
     holder = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {ROOT!r})
-        from cache_format.lock import DirLock
+        from kdcache.cache_format.lock import DirLock
         DirLock({str(tmp_path)!r}).acquire()
         print("locked", flush=True)
         time.sleep(60)
@@ -217,7 +217,7 @@ def test_writer_rejects_broken_records(tmp_path, field, value, msg):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_failed_shard_write_leaves_no_partial_file(tmp_path, monkeypatch, backend):
     """An error half-way through a shard write (e.g. disk full) leaves nothing under any name."""
-    from cache_format import arrow_backend, zarr_backend
+    from kdcache.cache_format import arrow_backend, zarr_backend
     calls = {"n": 0}
     target = (zarr_backend, "_put") if backend == "zarr" else (arrow_backend, "_batch")
     real = getattr(*target)
@@ -248,7 +248,7 @@ def test_writer_sweeps_temp_files_of_killed_writers(tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_shard_of_another_format_version_is_refused_by_name(tmp_path, backend, monkeypatch):
     """The manifest says version 2, but one shard was written by a version-3 writer: readers refuse it."""
-    from cache_format.backends import get_backend
+    from kdcache.cache_format.backends import get_backend
     write_cache(tmp_path / "new", make_records(20), shard_size=10, **writer_kwargs(backend))
     with monkeypatch.context() as m:
         m.setattr(get_backend(backend), "FORMAT_VERSION", 3)
@@ -266,7 +266,7 @@ def test_a_zarr_shard_of_a_later_version_with_other_arrays_is_refused_by_version
     """A later format may rename arrays: the reader names the version, not a missing array."""
     import shutil
 
-    from cache_format import zarr_backend
+    from kdcache.cache_format import zarr_backend
     with monkeypatch.context() as m:
         m.setattr(zarr_backend, "FORMAT_VERSION", 3)
         write_cache(tmp_path, make_records(10), shard_size=10, **writer_kwargs("zarr"))
@@ -278,7 +278,7 @@ def test_a_zarr_shard_of_a_later_version_with_other_arrays_is_refused_by_version
 
 def _tamper(loc, change):
     """Rewrite a cache's manifest.json with change(manifest) applied (a hostile or damaged manifest)."""
-    from cache_format.location import Location
+    from kdcache.cache_format.location import Location
     loc = Location(str(loc))
     m = json.loads(loc.read_bytes("manifest.json"))
     change(m)

@@ -5,12 +5,12 @@ import time
 
 import pytest
 
-from cache_format import CacheError, CacheWriter, open_cache, write_cache
-from cache_format import store as store_mod
-from cache_format.cli import gc_main, ls_main
-from cache_format.location import Location
-from cache_format.store import gc, list_caches, remove_cache, resolve
-from cache_format.writer import cache_fingerprint
+from kdcache.cache_format import CacheError, CacheWriter, open_cache, write_cache
+from kdcache.cache_format import store as store_mod
+from kdcache.cache_format.cli import gc_main, ls_main
+from kdcache.cache_format.location import Location
+from kdcache.cache_format.store import gc, list_caches, remove_cache, resolve
+from kdcache.cache_format.writer import cache_fingerprint
 from tests.helpers.records import make_records, writer_kwargs
 
 DAY = 86400.0
@@ -191,8 +191,8 @@ def test_remove_cache_checks_readers_itself(root):
 
 @pytest.mark.parametrize("where", ["s3", "memory"])
 def test_a_writer_that_loses_its_lease_stops(where, request):
-    from cache_format import LockedError
-    from cache_format.lease import Lease
+    from kdcache.cache_format import LockedError
+    from kdcache.cache_format.lease import Lease
     base = request.getfixturevalue("bucket") if where == "s3" else f"memory://lease-{time.time_ns()}"
     loc = Location(f"{base}/c")
     lease = Lease(loc, ".writer.lock", exclusive=True, ttl=0.4).acquire()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers.cli import ROOT, kdcache, precompute, write_jsonl
+from tests.helpers.cli import ROOT, kdcache, precompute, user_env, user_project, write_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.deepspeed]
 
@@ -34,8 +34,8 @@ def setup(tiny, tmp_path_factory):
 def recipe(name, setup, out, *extra):
     cmd = [sys.executable, os.path.join(ROOT, "examples", name), "--cache", setup["cache"], "--student",
            setup["student"], "--out", str(out), "--steps", 3, "--batch-size", 2, *extra]
-    res = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+    res = subprocess.run(list(map(str, cmd)), cwd=user_project(), capture_output=True, text=True, timeout=600,
+                         env=user_env())
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return res
 

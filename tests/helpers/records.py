@@ -1,7 +1,7 @@
 """Builders of synthetic cache records with teacher-like distributions."""
 import numpy as np
 
-from cache_format import Record, tail_mass_from_logprobs
+from kdcache.cache_format import Record, tail_mass_from_logprobs
 
 EOS = 2
 

@@ -1,5 +1,4 @@
 """The public API (import kdcache): lazy torch, the dataset's order, split and resume, the loss functions."""
-import os
 import subprocess
 import sys
 
@@ -7,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from cache_format import write_cache
-from tests.helpers.cli import ROOT
+from kdcache.cache_format import write_cache
+from tests.helpers.cli import user_env, user_project
 from tests.helpers.records import make_records, writer_kwargs
 
 
@@ -23,8 +22,8 @@ def test_importing_kdcache_does_not_import_torch_until_a_torch_name_is_used():
     code = ("import sys, kdcache; assert 'torch' not in sys.modules; kdcache.open_cache; kdcache.Record; "
             "assert 'torch' not in sys.modules, 'open_cache pulled torch'; kdcache.kd_loss; "
             "assert 'torch' in sys.modules; print(sorted(kdcache.__all__))")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+    res = subprocess.run([sys.executable, "-c", code], cwd=user_project(), capture_output=True, text=True, timeout=120,
+                         env=user_env())
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == str(["Batch", "CacheDataset", "LossConfig", "Record", "collate", "kd_loss",
                                       "kd_loss_chunked", "open_cache"])
@@ -85,7 +84,7 @@ def test_state_dict_resumes_exactly(cache_dir):
 
 def test_kd_loss_is_the_trainers_loss_mean_and_chunked_agrees(cache_dir):
     import kdcache
-    from train.losses import LossConfig, kd_loss_from_logits
+    from kdcache.train.losses import LossConfig, kd_loss_from_logits
     recs = list(kdcache.open_cache(cache_dir))[:4]
     b = kdcache.collate(recs, pad_id=0, student_vocab=300)
     g = torch.Generator().manual_seed(0)

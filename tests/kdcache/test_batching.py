@@ -2,7 +2,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kdcache.batching import budget_groups
+from kdcache.common.batching import budget_groups
 
 
 def groups(lengths, **kw):

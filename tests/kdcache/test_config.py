@@ -1,9 +1,9 @@
 """Configs: unknown keys and out-of-range values are refused with the key named; YAML never runs code."""
 import pytest
 
-from kdcache.config import ConfigError, load
-from pipeline.config import PrecomputeConfig
-from train.config import TrainConfig
+from kdcache.common.config import ConfigError, load
+from kdcache.pipeline.config import PrecomputeConfig
+from kdcache.train.config import TrainConfig
 
 BASE_P = {"teacher": "t", "data": "d.jsonl", "out": "o"}
 BASE_T = {"cache": "c", "student": "s", "out": "o"}

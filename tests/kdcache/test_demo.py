@@ -3,23 +3,22 @@
 The quality bars (stop rate, F1 gap, control) are checked by `make demo` itself at full size.
 """
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from cache_format import open_cache, verify_cache
-from tests.helpers.cli import ROOT
+from kdcache.cache_format import open_cache, verify_cache
+from tests.helpers.cli import user_env, user_project
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.deepspeed]
 
 
 def test_quick_demo_chain(tmp_path):
     root = tmp_path / "demo"
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = user_env()
     res = subprocess.run([sys.executable, "-m", "kdcache", "demo", "--quick", "--backend", "hf", "--root", str(root)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                         cwd=user_project(), env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for path in ("data/train.jsonl", "data/heldout.jsonl", "teacher/config.json", "teacher/teacher_training.json",
                  "student/final/config.json", "student_no_eos/final/config.json", "report/report.md",
@@ -43,7 +42,7 @@ def test_quick_demo_chain(tmp_path):
     assert "| student_no_eos |" in report and "lengths.png" in report
     # Rerun reuses everything and says so.
     res = subprocess.run([sys.executable, "-m", "kdcache", "demo", "--quick", "--backend", "hf", "--root", str(root),
-                          "--stage", "train"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          "--stage", "train"], cwd=user_project(), env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0
     assert "reusing the trained teacher" in res.stdout and "nothing to do" in res.stdout
     assert "reusing the trained student" in res.stdout

@@ -5,7 +5,8 @@ import subprocess
 import sys
 import textwrap
 
-from kdcache.signals import StopFlag
+from kdcache.common.signals import StopFlag
+from tests.helpers.cli import user_env, user_project
 
 
 def test_first_signal_sets_the_flag_and_restore_puts_handlers_back():
@@ -27,7 +28,7 @@ def test_first_signal_sets_the_flag_and_restore_puts_handlers_back():
 def test_second_signal_exits_at_once_when_asked():
     code = textwrap.dedent("""
         import os, signal, time
-        from kdcache.signals import StopFlag
+        from kdcache.common.signals import StopFlag
         flag = StopFlag("finishing, then stopping", exit_on_second=True).install()
         os.kill(os.getpid(), signal.SIGTERM)
         print("still here", flush=True)
@@ -35,8 +36,8 @@ def test_second_signal_exits_at_once_when_asked():
         time.sleep(5)
         print("not reached", flush=True)
     """)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=user_project(), env=user_env())
     assert res.returncode == 130
     assert "still here" in res.stdout and "not reached" not in res.stdout
     assert "SIGTERM: finishing, then stopping" in res.stderr and "SIGTERM again: exiting now" in res.stderr
@@ -45,7 +46,7 @@ def test_second_signal_exits_at_once_when_asked():
 def test_an_ignored_sighup_stays_ignored_as_nohup_asks():
     code = textwrap.dedent("""
         import os, signal
-        from kdcache.signals import StopFlag
+        from kdcache.common.signals import StopFlag
         signal.signal(signal.SIGHUP, signal.SIG_IGN)          # what nohup does before exec
         flag = StopFlag().install()
         os.kill(os.getpid(), signal.SIGHUP)
@@ -54,6 +55,6 @@ def test_an_ignored_sighup_stays_ignored_as_nohup_asks():
         assert flag.signal == "SIGTERM"
         print("ok", flush=True)
     """)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=user_project(), env=user_env())
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr

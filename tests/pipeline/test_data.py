@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data import BadRecord, DataError, iter_records, parse_record
+from kdcache.pipeline.data import BadRecord, DataError, iter_records, parse_record
 from tests.helpers.cli import write_jsonl
 
 CHAT = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}

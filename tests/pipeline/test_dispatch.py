@@ -4,9 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from cache_format.errors import Interrupted, WorkerDied
-from kdcache.signals import StopFlag
-from pipeline.dispatch import _result
+from kdcache.common.errors import Interrupted, WorkerDied
+from kdcache.common.signals import StopFlag
+from kdcache.pipeline.dispatch import _result
 
 
 class FakeRay:
@@ -58,7 +58,7 @@ class RecordingRay:
 
 @pytest.mark.parametrize("passed", [False, True])
 def test_credentials_reach_a_clusters_runtime_env_only_when_asked(monkeypatch, passed):
-    from pipeline.dispatch import start_workers
+    from kdcache.pipeline.dispatch import start_workers
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
     cfg = SimpleNamespace(worker_cpus=0.5, ray_address="10.0.0.1:6379", ray_pass_credentials=passed)
     ray = RecordingRay()
@@ -161,9 +161,9 @@ def test_shards_go_out_as_their_records_are_read_and_are_committed_after_the_sca
     nothing is committed until the scan is over; then every shard once, with its plan's range."""
     import numpy as np
 
-    from pipeline.dispatch import Dispatcher
-    from pipeline.encode import Sample
-    from pipeline.spool import Spool
+    from kdcache.pipeline.dispatch import Dispatcher
+    from kdcache.pipeline.encode import Sample
+    from kdcache.pipeline.spool import Spool
     ray = FakeActorRay()
     writer, spool = FakeWriter(), Spool(str(tmp_path))
     cfg = SimpleNamespace(workers=2, shard_size=2, max_in_flight=1, worker_cpus=0.5, ray_address=None,
@@ -199,9 +199,9 @@ def test_shards_go_out_as_their_records_are_read_and_are_committed_after_the_sca
 def test_a_scan_that_will_fail_holds_back_every_further_shard(tmp_path):
     import numpy as np
 
-    from pipeline.dispatch import Dispatcher
-    from pipeline.encode import Sample
-    from pipeline.spool import Spool
+    from kdcache.pipeline.dispatch import Dispatcher
+    from kdcache.pipeline.encode import Sample
+    from kdcache.pipeline.spool import Spool
     ray = FakeActorRay()
     spool = Spool(str(tmp_path))
     cfg = SimpleNamespace(workers=1, shard_size=2, max_in_flight=2, worker_cpus=0.5, ray_address=None,
@@ -222,8 +222,8 @@ def test_a_scan_that_will_fail_holds_back_every_further_shard(tmp_path):
 def test_actors_started_before_the_job_was_settled_load_the_settled_teacher(tmp_path):
     """prestart_workers made cfg.workers actors the moment Ray was up; the Dispatcher sends them the spec (load)
     rather than starting others, and stops the ones it does not need; actors made with other options are not used."""
-    from pipeline.dispatch import Dispatcher, prestart_workers
-    from pipeline.spool import Spool
+    from kdcache.pipeline.dispatch import Dispatcher, prestart_workers
+    from kdcache.pipeline.spool import Spool
     cfg = SimpleNamespace(workers=3, shard_size=2, max_in_flight=1, worker_cpus=0.5, worker_gpus=0.0,
                           ray_address=None, ray_pass_credentials=False)
     for gpus, reused in ((0.0, True), (1.0, False)):

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from cache_format.errors import SkipSample
-from pipeline.data import parse_record
-from pipeline.encode import Encoder, end_of_turn_ids
+from kdcache.common.errors import SkipSample
+from kdcache.pipeline.data import parse_record
+from kdcache.pipeline.encode import Encoder, end_of_turn_ids
 from tests.helpers.chats import MULTI
 
 
@@ -96,7 +96,7 @@ def test_enormous_message_is_truncated_and_flagged_or_dropped(tiny):
 def test_a_template_that_refuses_a_chat_is_a_bad_record_not_a_crash(tiny):
     import copy
 
-    from cache_format.errors import BadRecord
+    from kdcache.common.errors import BadRecord
     tok = copy.deepcopy(tiny["tok"])
     tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
                          "{{ raise_exception('System role not supported') }}{% endif %}"

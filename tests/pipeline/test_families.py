@@ -3,11 +3,11 @@ skipped, every assistant turn is trained through its end-of-turn token, and no u
 import numpy as np
 import pytest
 
-from cache_format.errors import BadRecord
+from kdcache.common.errors import BadRecord
 from kdcache.demo.task import corpus, make_splits
-from pipeline.chat import render
-from pipeline.data import parse_record
-from pipeline.encode import Encoder
+from kdcache.pipeline.chat import render
+from kdcache.pipeline.data import parse_record
+from kdcache.pipeline.encode import Encoder
 from tests.helpers.families import CHATS, CODE, FAMILIES, corpus_texts, expected_refusal, family_tokenizer
 
 
@@ -76,7 +76,7 @@ def test_qwen3_trains_the_last_turns_empty_think_block(tokenizers):
 def test_precompute_keeps_every_chat_the_template_allows(tokenizers, family, tmp_path):
     """End to end with the default --on-bad-record fail: every allowed multi-turn chat is cached, verify passes
     (every sample trains an end-of-turn position), and a teacher with the family's head scores it."""
-    from cache_format import open_cache, verify_cache
+    from kdcache.cache_format import open_cache, verify_cache
     from tests.helpers.cli import precompute, write_jsonl
     from tests.helpers.families import FAMILY_ARCH, family_model
     tok = tokenizers[family]
@@ -94,8 +94,8 @@ def test_precompute_keeps_every_chat_the_template_allows(tokenizers, family, tmp
 
 def test_the_generation_configs_eos_ids_are_end_of_turn_ids(tokenizers, tmp_path):
     """Both backends stop on one recorded set: tokenizer EOS, template end-of-turn, generation config EOS."""
-    from pipeline.config import PrecomputeConfig
-    from pipeline.job import settle
+    from kdcache.pipeline.config import PrecomputeConfig
+    from kdcache.pipeline.job import settle
     from tests.helpers.cli import write_jsonl
     from tests.helpers.families import FAMILY_ARCH, family_model
     tok = tokenizers["llama3"]

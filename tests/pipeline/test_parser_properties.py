@@ -4,7 +4,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.data import BadRecord, Example, iter_records, parse_record
+from kdcache.pipeline.data import BadRecord, Example, iter_records, parse_record
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=20))
 json_values = st.recursive(scalars, lambda c: st.one_of(st.lists(c, max_size=4),

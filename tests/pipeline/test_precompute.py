@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from cache_format import open_cache, verify_cache
+from kdcache.cache_format import open_cache, verify_cache
 from tests.helpers.chats import MULTI
-from tests.helpers.cli import ROOT, precompute, write_jsonl
+from tests.helpers.cli import precompute, user_env, user_project, write_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -108,9 +108,9 @@ def test_kill9_then_resume_equals_uninterrupted(tiny, tmp_path):
     assert ref.returncode == 0, ref.stderr
 
     out = tmp_path / "killed"
-    env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=ROOT)
+    env = user_env(RAY_ADDRESS="")
     proc = subprocess.Popen([sys.executable, "-m", "kdcache", "precompute", "--no-progress", "--worker-cpus", "0.5",
-                             *map(str, common), "--out", str(out)], cwd=ROOT, env=env, start_new_session=True,
+                             *map(str, common), "--out", str(out)], cwd=user_project(), env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     committed = 0
@@ -281,9 +281,9 @@ def test_a_signal_to_the_whole_process_group_stops_cleanly_and_the_rerun_resumes
     data = write_jsonl(tmp_path / "d.jsonl", tiny["train"] * 3)                  # 360 records, 60 shards
     common = ["--teacher", tiny["teacher"], "--data", data, "--backend", "hf", "--top-k", 16, "--shard-size", 6]
     out = tmp_path / "c"
-    env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=ROOT)
+    env = user_env(RAY_ADDRESS="")
     proc = subprocess.Popen([sys.executable, "-m", "kdcache", "precompute", "--no-progress", "--worker-cpus", "0.5",
-                             *map(str, common), "--out", str(out)], cwd=ROOT, env=env, start_new_session=True,
+                             *map(str, common), "--out", str(out)], cwd=user_project(), env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:

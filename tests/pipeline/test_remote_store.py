@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from cache_format import open_cache, verify_cache
-from cache_format.location import Location
-from cache_format.store import STORE_MARKER, list_caches
+from kdcache.cache_format import open_cache, verify_cache
+from kdcache.cache_format.location import Location
+from kdcache.cache_format.store import STORE_MARKER, list_caches
 from tests.helpers.cli import precompute, write_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -12,13 +12,19 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cache_format import open_cache, verify_cache
-from cache_format.errors import ConfigError
-from pipeline import teacher as teacher_mod
-from pipeline.teacher import SampleFailed
-from pipeline.teacher_served import Client, ServedTeacher, ServerError, parse_prompt_logprobs, parse_step_logprobs
+from kdcache.cache_format import open_cache, verify_cache
+from kdcache.common.errors import ConfigError
+from kdcache.pipeline import teacher as teacher_mod
+from kdcache.pipeline.teacher import SampleFailed
+from kdcache.pipeline.teacher_served import (
+    Client,
+    ServedTeacher,
+    ServerError,
+    parse_prompt_logprobs,
+    parse_step_logprobs,
+)
 from tests.helpers.chats import MULTI
-from tests.helpers.cli import ROOT, precompute, write_jsonl
+from tests.helpers.cli import precompute, user_env, user_project, write_jsonl
 
 TOL = 2e-4        # as tests/pipeline/test_vllm.py: vLLM and transformers agree to ~5e-5 in float32
 K = 64            # the server is started with --max-logprobs K
@@ -54,12 +60,12 @@ def test_auto_with_nothing_importable_is_refused(monkeypatch):
 
 
 def _cfg(**kw):
-    from pipeline.config import PrecomputeConfig
+    from kdcache.pipeline.config import PrecomputeConfig
     return PrecomputeConfig(**{"teacher": "http://127.0.0.1:9/v1", "data": "d.jsonl", "out": "o", **kw})
 
 
 def test_a_url_teacher_needs_a_tokenizer_and_the_served_backend(tmp_path):
-    from pipeline.job import check_paths
+    from kdcache.pipeline.job import check_paths
     with pytest.raises(ConfigError, match="tokenizer: required with a served teacher"):
         check_paths(_cfg())
     with pytest.raises(ConfigError, match="backend: 'hf' runs a local model directory"):
@@ -69,7 +75,7 @@ def test_a_url_teacher_needs_a_tokenizer_and_the_served_backend(tmp_path):
 
 
 def test_served_max_length_and_fingerprint_part():
-    from pipeline.job import settle_served_max_length, teacher_part
+    from kdcache.pipeline.job import settle_served_max_length, teacher_part
     server = {"model": "m", "max_model_len": 512, "vllm_version": "0.32.0"}
     assert settle_served_max_length(_cfg(), server).max_length == 511          # one token of room per request
     assert settle_served_max_length(_cfg(), dict(server, max_model_len=32768)).max_length == 2048
@@ -385,7 +391,7 @@ def test_top_k_above_the_servers_max_logprobs_is_refused_before_any_work(served,
 @pytest.mark.slow
 def test_a_refused_sequence_fails_its_shard_naming_the_sample(served, tmp_path):
     """Past the probe (a worker asked for more than the server gives): the error names the sample."""
-    from pipeline.worker import TeacherWorker, Unit, WorkerSpec
+    from kdcache.pipeline.worker import TeacherWorker, Unit, WorkerSpec
     spec = WorkerSpec("served", served.server.url, teacher_kwargs={"requests_in_flight": 2},
                       shard_kwargs={"top_k": K + 1}, generate=None)
     worker = TeacherWorker(spec)
@@ -421,10 +427,10 @@ def _poll_shards(out, proc, timeout=300):
 def test_server_killed_mid_job_then_restarted_loses_nothing(served, served_cache, tmp_path):
     out = tmp_path / "killed"
     args = served_args(served, out, "--requests-in-flight", 1)
-    env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=ROOT, KDCACHE_SERVED_RETRY_S="3")
+    env = user_env(RAY_ADDRESS="", KDCACHE_SERVED_RETRY_S="3")
     proc = subprocess.Popen([sys.executable, "-m", "kdcache", "precompute", "--no-progress", "--worker-cpus", "0.5",
-                             *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                             *map(str, args)], cwd=user_project(), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         _poll_shards(out, proc)
         served.server.kill()                       # SIGKILL the whole server mid-job

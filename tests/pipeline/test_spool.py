@@ -2,10 +2,10 @@ import os
 
 import numpy as np
 
-from cache_format.lease import process_tag
-from pipeline.dispatch import iter_units
-from pipeline.encode import Sample
-from pipeline.spool import Spool
+from kdcache.cache_format.lease import process_tag
+from kdcache.pipeline.dispatch import iter_units
+from kdcache.pipeline.encode import Sample
+from kdcache.pipeline.spool import Spool
 
 
 def spool_of(tmp_path, ids):

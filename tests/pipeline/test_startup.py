@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from cache_format import open_cache, verify_cache
-from cache_format.errors import DataError
-from tests.helpers.cli import ROOT, write_jsonl
+from kdcache.cache_format import open_cache, verify_cache
+from kdcache.common.errors import DataError
+from tests.helpers.cli import user_project, write_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -17,12 +17,12 @@ FAST = 8          # records read at full speed; then the reader slows down until
 
 
 class SlowReader:
-    """pipeline.data.iter_records that, after FAST records, takes up to `budget` seconds per record (sleeping in
+    """kdcache.pipeline.data.iter_records that, after FAST records, takes up to `budget` seconds per record (sleeping in
     small steps) until a shard file appears under `out`: a dataset slow to read, without a fixed sleep. Records
     when that happened and what the manifest held then."""
 
     def __init__(self, out, budget=1.0, give_up=240):
-        from pipeline.data import iter_records
+        from kdcache.pipeline.data import iter_records
         self.iter_records, self.out, self.budget, self.give_up = iter_records, out, budget, give_up
         self.seen_at_record = None        # records read when the first shard file was there
         self.committed_then = None        # shards in the manifest at that moment
@@ -50,11 +50,12 @@ class SlowReader:
 
 def run_in_process(monkeypatch, reader, **settings):
     """`kdcache precompute` in this process (so the reader can be slowed down), on a Ray of its own."""
-    from kdcache.config import load
-    from pipeline import job
-    from pipeline.config import PrecomputeConfig
+    from kdcache.common.config import load
+    from kdcache.pipeline import job
+    from kdcache.pipeline.config import PrecomputeConfig
     monkeypatch.setenv("RAY_ADDRESS", "")
-    monkeypatch.setenv("PYTHONPATH", ROOT)           # the Ray workers import the pipeline from here
+    monkeypatch.delenv("PYTHONPATH", raising=False)   # the Ray workers import kdcache from its install
+    monkeypatch.chdir(user_project())                 # Ray puts the driver's directory on the workers' path
     monkeypatch.setattr(job, "iter_records", reader)
     cfg = load(PrecomputeConfig, None, dict(backend="hf", top_k=8, worker_cpus=0.5, progress=False, **settings))
     return job.run_precompute(cfg)

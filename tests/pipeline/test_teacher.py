@@ -1,10 +1,10 @@
 """The teacher registry: one dict names the backends; auto picks by the machine; config follows it."""
 import pytest
 
-from cache_format.errors import ConfigError
-from kdcache.config import load
-from pipeline import teacher
-from pipeline.config import PrecomputeConfig
+from kdcache.common.config import load
+from kdcache.common.errors import ConfigError
+from kdcache.pipeline import teacher
+from kdcache.pipeline.config import PrecomputeConfig
 
 
 def test_registry_names_importable_classes():
@@ -28,13 +28,13 @@ def test_a_registered_backend_is_a_valid_config_choice(monkeypatch):
     base = {"teacher": "t", "data": "d.jsonl", "out": "o"}
     with pytest.raises(ConfigError, match="backend: 'mine' is not one of"):
         load(PrecomputeConfig, overrides={**base, "backend": "mine"})
-    monkeypatch.setitem(teacher.TEACHERS, "mine", "pipeline.teacher_hf:HFTeacher")
+    monkeypatch.setitem(teacher.TEACHERS, "mine", "kdcache.pipeline.teacher_hf:HFTeacher")
     import importlib
 
-    import pipeline.config
-    fresh = importlib.reload(pipeline.config)
+    import kdcache.pipeline.config
+    fresh = importlib.reload(kdcache.pipeline.config)
     try:
         assert load(fresh.PrecomputeConfig, overrides={**base, "backend": "mine"}).backend == "mine"
     finally:
         monkeypatch.undo()
-        importlib.reload(pipeline.config)
+        importlib.reload(kdcache.pipeline.config)

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cache_format import open_cache, tail_mass_from_logprobs, verify_cache
+from kdcache.cache_format import open_cache, tail_mass_from_logprobs, verify_cache
 from tests.helpers.chats import MULTI
 from tests.helpers.cli import precompute, write_jsonl
 
@@ -27,7 +27,7 @@ def assert_topk_parity(a, b, tol=TOL):
 
 def hf_reference(teacher, recs, k):
     """The transformers teacher, in this process, on exactly the ids and positions the vLLM cache holds."""
-    from pipeline.teacher_hf import HFTeacher
+    from kdcache.pipeline.teacher_hf import HFTeacher
     hf = HFTeacher(teacher, dtype="float32")
     scored = hf.score([r.input_ids for r in recs], [r.positions for r in recs], k)
     return hf, [SimpleNamespace(topk_ids=i, topk_logprobs=lp, tail_mass=tail_mass_from_logprobs(lp))

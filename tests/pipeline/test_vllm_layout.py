@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pipeline.teacher_vllm import VLLMTeacher, _topk_from_flat
+from kdcache.pipeline.teacher_vllm import VLLMTeacher, _topk_from_flat
 
 
 class Flat:

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from cache_format.errors import TrainDataError
-from train.checkpoint import check_plan
+from kdcache.common.errors import TrainDataError
+from kdcache.train.checkpoint import check_plan
 
 PLAN = {"cache_fingerprint": "f" * 64, "shards_sha256": "a" * 64, "num_shards": 2, "world_size": 2, "seed": 0,
         "shuffle": True}

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cache_format.errors import TrainDataError
-from train import checkpoint, trainer
-from train.checkpoint import complete_checkpoints, resolve_resume, rng_state, set_rng_state
+from kdcache.common.errors import TrainDataError
+from kdcache.train import checkpoint, trainer
+from kdcache.train.checkpoint import complete_checkpoints, resolve_resume, rng_state, set_rng_state
 
 PLAN = {"cache_fingerprint": "f" * 64, "shards_sha256": "a" * 64, "num_shards": 2, "world_size": 1, "seed": 0,
         "shuffle": True}

@@ -1,11 +1,11 @@
 import numpy as np
 import pytest
 
-from cache_format import write_cache
-from cache_format.errors import TrainDataError
+from kdcache.cache_format import write_cache
+from kdcache.common.errors import TrainDataError
+from kdcache.train.batch import collate
+from kdcache.train.data import CacheStream
 from tests.helpers.records import make_records, writer_kwargs
-from train.batch import collate
-from train.data import CacheStream
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_input_ids_outside_student_vocab_is_an_error():
 
 
 def test_damaged_shard_stops_training_or_is_skipped_and_counted(tmp_path):
-    from cache_format import ShardError
+    from kdcache.cache_format import ShardError
     manifest = write_cache(tmp_path, make_records(30, seed=6), shard_size=10, **writer_kwargs("arrow"))
     rel = manifest["shards"][1]["path"]                      # names come from the manifest (job-tagged)
     victim = tmp_path / rel

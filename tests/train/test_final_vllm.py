@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers.cli import ROOT
+from tests.helpers.cli import user_project
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -28,7 +28,7 @@ def test_vllm_stops_a_base_students_final_at_the_end_of_turn(tiny, tmp_path):
     import copy
 
     from kdcache.demo.models import make_model
-    from train.trainer import stops_like_the_teacher
+    from kdcache.train.trainer import stops_like_the_teacher
     tok = copy.deepcopy(tiny["tok"])
     tok.eos_token, tok.chat_template = "<|endoftext|>", None              # a base student's tokenizer
     model = make_model(tok, "test", seed=3)                               # its generation config stops at EOS only
@@ -44,7 +44,7 @@ def test_vllm_stops_a_base_students_final_at_the_end_of_turn(tiny, tmp_path):
     script = tmp_path / "gen.py"
     script.write_text(SCRIPT)
     res = subprocess.run([sys.executable, str(script), str(tmp_path / "final"), json.dumps([im_end, other])],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+                         cwd=user_project(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     tokens = json.loads(res.stdout.split("TOKENS", 1)[1].splitlines()[0])
     assert tokens == [im_end]            # emitted <|im_end|> and stopped (a base config would emit it 8 times)

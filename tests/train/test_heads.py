@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from kdcache.heads import logit_transform
+from kdcache.common.heads import logit_transform
+from kdcache.train.batch import collate
+from kdcache.train.losses import LossConfig, kd_loss_from_logits
+from kdcache.train.model import DistillModule
 from tests.helpers.records import make_records
-from train.batch import collate
-from train.losses import LossConfig, kd_loss_from_logits
-from train.model import DistillModule
 
 V = 300
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -53,7 +53,7 @@ def test_the_loss_is_that_of_the_models_own_logits(arch, chunked):
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma2", "granite"])
 def test_the_hf_teacher_stores_the_log_probs_of_the_models_own_logits(arch, tmp_path):
-    from pipeline.teacher_hf import HFTeacher
+    from kdcache.pipeline.teacher_hf import HFTeacher
     model = tiny(arch)
     model.save_pretrained(tmp_path)
     teacher = HFTeacher(str(tmp_path), dtype="float32", device="cpu")

@@ -9,15 +9,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from cache_format.errors import ConfigError
-from train import losses
-from train.losses import (
-    LossConfig,
-    chunked_kd_loss,
-    gkd_per_position,
-    kd_loss_from_logits,
-    sft_per_position,
-)
+from kdcache.common.errors import ConfigError
+from kdcache.train import losses
+from kdcache.train.losses import LossConfig, chunked_kd_loss, gkd_per_position, kd_loss_from_logits, sft_per_position
 
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
 MODES = ["tail", "renorm"]

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
+from kdcache.train.batch import collate, pack_rows
+from kdcache.train.losses import LossConfig
+from kdcache.train.model import DistillModule
 from tests.helpers.records import make_records
-from train.batch import collate, pack_rows
-from train.losses import LossConfig
-from train.model import DistillModule
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 import torch
 
-from cache_format import Record, compact, open_cache, write_cache
+from kdcache.cache_format import Record, compact, open_cache, write_cache
+from kdcache.train.batch import collate, with_target
+from kdcache.train.losses import LossConfig, kd_loss_from_logits
 from tests.helpers.records import make_records, writer_kwargs
-from train.batch import collate, with_target
-from train.losses import LossConfig, kd_loss_from_logits
 
 V, K = 50, 8
 

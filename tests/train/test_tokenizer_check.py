@@ -3,10 +3,10 @@ import copy
 
 import pytest
 
-from cache_format.errors import TokenizerMismatch
-from cache_format.tokenizer_id import tokenizer_identity
+from kdcache.cache_format.tokenizer_id import tokenizer_identity
+from kdcache.common.errors import TokenizerMismatch
 from kdcache.demo.tokenizer import train_tokenizer
-from train.model import check_tokenizer
+from kdcache.train.model import check_tokenizer
 
 
 def manifest_of(tok):

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers.cli import ROOT, precompute, write_jsonl
+from tests.helpers.cli import ROOT, precompute, user_env, user_project, write_jsonl
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -40,10 +40,10 @@ def train_cmd(setup, out, *extra):
 
 
 def run(cmd, timeout=400):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = user_env()
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(cmd, cwd=user_project(), capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def losses(out):
@@ -96,8 +96,8 @@ def test_loss_is_normalised_over_all_positions_of_the_accumulation_window(setup,
 
 def test_training_from_s3_equals_training_from_local_disk(setup, base_run, tmp_path, bucket):
     """The same cache on an S3-compatible server: streamed through the local shard directory, the same losses."""
-    from cache_format.lease import live_readers
-    from cache_format.location import Location
+    from kdcache.cache_format.lease import live_readers
+    from kdcache.cache_format.location import Location
     from tests.helpers.s3server import upload_dir
     url = upload_dir(setup["cache"], f"{bucket}/cache")
     remote = run(train_cmd(dict(setup, cache=url), tmp_path / "remote", *BASE))
@@ -114,10 +114,10 @@ def test_signal_mid_run_then_resume_gives_identical_losses(setup, tmp_path, sig)
         ref = run(train_cmd(setup, ref_out, "--max-steps", steps, "--batch-size", 2, "--save-every", 0))
         assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "o"
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = user_env()
     # A run started from a terminal, not under nohup (which the suite itself may run under): SIGHUP not ignored.
     proc = subprocess.Popen(train_cmd(setup, out, "--max-steps", steps, "--batch-size", 2, "--save-every", 0),
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=user_project(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -145,7 +145,7 @@ def test_half_written_checkpoint_is_never_picked(setup, tmp_path):
     ck = out / "checkpoints"
     os.rename(ck / "step-00000004", ck / ".tmp-step-00000004")     # as if a crash hit the save
     (ck / "step-00000009").mkdir()                                   # a directory without complete.json
-    from train.checkpoint import resolve_resume
+    from kdcache.train.checkpoint import resolve_resume
     assert resolve_resume(str(out), "auto").endswith("step-00000002")
     res = run(train_cmd(setup, out, "--max-steps", 5, "--batch-size", 2, "--save-every", 0))
     assert res.returncode == 0, res.stderr[-3000:]
@@ -206,10 +206,11 @@ def _launched(setup, out, steps, *extra):
     starts a long job they mean to leave running."""
     cmd = ["setsid", "nohup", *train_cmd(setup, out, "--max-steps", steps, "--batch-size", 2, "--save-every", 0,
                                          "--threads", 1, "--nproc-per-node", 2, *extra)]
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = user_env()
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, cwd=user_project(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 def _signal_group_mid_run(proc, out, sig, steps):

@@ -9,8 +9,6 @@ import shutil
 import signal
 import uuid
 
-from .fingerprint import hash_tree
-
 # Fault injection for bench/chaos.py and the tests. KDCACHE_CRASH_AT="NAME@N": SIGKILL this process
 # the N-th time it reaches crash point NAME. KDCACHE_ENOSPC_AT="NAME@N": raise "No space left on
 # device" there instead (a disk filling up). Unset in normal runs: one string test, no effect.
@@ -95,20 +93,6 @@ def disk_bytes(path):
     if os.path.isdir(path):
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
     return os.path.getsize(path)
-
-
-def write_new(path, fill):
-    """Create `path` (a file or a directory) atomically: fill(temp) writes it under a temp name, then it is
-    checksummed and published. Returns (bytes, sha256 as in SPEC.md section 5)."""
-    tmp = temp_name(path)
-    try:
-        fill(tmp)
-        size, digest = disk_bytes(tmp), hash_tree(tmp)
-        publish(tmp, path)
-    except BaseException:
-        remove(tmp)
-        raise
-    return size, digest
 
 
 def remove(path):

@@ -11,7 +11,7 @@ import typing
 
 import yaml
 
-from cache_format.errors import ConfigError
+from .errors import ConfigError
 
 
 def field(default, help, choices=None, **kw):  # noqa: A002 - mirrors argparse's name
@@ -142,5 +142,5 @@ def dumps(cfg):
 
 def dump(cfg, path):
     """Save the resolved config next to an output (atomic, so a crash leaves no half file)."""
-    from cache_format.atomic import atomic_write_bytes
+    from .atomic import atomic_write_bytes
     atomic_write_bytes(path, dumps(cfg).encode())
