@@ -47,16 +47,16 @@ def teacher_scores(teacher_dir, chats_path, limit, temperature=1.0):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kdcache.pipeline.data import parse_record
+    from kdcache.pipeline.data import parse_row
     from kdcache.pipeline.encode import Encoder, end_of_turn_ids
     tok = AutoTokenizer.from_pretrained(teacher_dir)
     model = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
-    enc = Encoder(tok, template="chat", max_length=1024, eos_ids=end_of_turn_ids(tok))
+    enc = Encoder(tok, template="chat", max_length=1024, turn_ends=end_of_turn_ids(tok))
     rows = [json.loads(line) for line in open(chats_path)][:limit]
     out = []
     with torch.no_grad():
         for i, row in enumerate(rows):
-            s = enc.encode(parse_record(row), i)
+            s = enc.encode(parse_row(row), i)
             logits = model(input_ids=torch.from_numpy(s.input_ids.astype(np.int64))[None]).logits[0]
             lp = torch.log_softmax(logits[torch.from_numpy(s.positions.astype(np.int64))].float() / temperature, -1)
             out.append((s.input_ids, s.positions, lp.numpy()))

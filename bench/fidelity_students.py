@@ -27,7 +27,7 @@ def kdcache(*args):
 def cache(root, name, dtype, top_p, backend):
     out = os.path.join(root, "fidelity", f"cache-{name}")
     args = ["precompute", "--teacher", os.path.join(root, "teacher"), "--data",
-            os.path.join(root, "data", "kdcache.train.jsonl"), "--out", out, "--top-k", 64, "--shard-size", 500,
+            os.path.join(root, "data", "train.jsonl"), "--out", out, "--top-k", 64, "--shard-size", 500,
             "--backend", backend, "--max-length", 256, "--logprob-dtype", dtype, "--no-progress"]
     kdcache(*args, *(["--top-p", top_p] if top_p else []))
     return out
@@ -66,7 +66,7 @@ def main():
     for name, d in runs.items():
         ev += ["--model", f"{name}={os.path.join(d, 'final')}"]
     kdcache(*ev)
-    res = json.load(open(os.path.join(report, "eval.json")))
+    res = demo.add_label_f1(report, os.path.join(args.root, "data", "heldout.jsonl"))
     print(f"\n{'student':<14}{'stop rate':>10}{'exact':>8}{'label F1':>10}{'KL from teacher':>17}")
     for name in runs:
         r = res[name]

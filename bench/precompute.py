@@ -122,11 +122,11 @@ def main():
         # The exact work units the pipeline will run.
         from transformers import AutoTokenizer
 
-        from kdcache.pipeline.data import iter_records, parse_record
+        from kdcache.pipeline.data import iter_rows, parse_row
         from kdcache.pipeline.encode import Encoder
         tok = AutoTokenizer.from_pretrained(teacher)
         enc = Encoder(tok, max_length=MAX_LENGTH)
-        items = [enc.encode(parse_record(r.data)) for r in iter_records(data)]
+        items = [enc.encode(parse_row(r.data)) for r in iter_rows(data)]
         tokens = sum(len(e.input_ids) for e in items)
         shards = [items[i:i + args.shard_size] for i in range(0, len(items), args.shard_size)]
         ids_path = os.path.join(work, "ids.json")

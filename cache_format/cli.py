@@ -4,12 +4,12 @@ import calendar
 import json
 import time
 
-from .backends import default_codec, get_backend
 from .card import CARD
 from .compact import BOUNDS
 from .errors import CacheError, ManifestMissing
 from .location import Location
 from .manifest import fidelity_text, load_manifest, safe_shard_path, teacher_ce_text
+from .storage import default_codec, get_format
 from .store import gc, is_store, list_caches
 from .verify import verify_cache
 
@@ -35,37 +35,37 @@ def inspect_main(argv=None):
         m = load_manifest(args.cache)
     except ManifestMissing as e:
         raise ManifestMissing(f"{e}{_store_hint(args.cache)}") from None
-    c = m["counts"]
+    c = m.counts
     derived = {
         "bytes_per_position": c["bytes"] / c["positions"] if c["positions"] else None,
         "bytes_per_token": c["bytes"] / c["tokens"] if c["tokens"] else None,
-        "shards_committed": len(m["shards"]),
+        "shards_committed": len(m.shards),
     }
     if args.json:
-        print(json.dumps({"manifest": m, "derived": derived}, indent=1, sort_keys=True))
+        print(json.dumps({"manifest": m.to_json(), "derived": derived}, indent=1, sort_keys=True))
         return 0
     if args.card:
         from .card import write_card
         print(f"wrote {write_card(args.cache)}")
-    meta = m.get("meta", {})
-    codec = default_codec(m["backend"], m.get("fingerprint_parts", {}).get("format", {}).get("codec"))
+    meta = m.meta
+    codec = default_codec(m.backend, m.fingerprint_parts.get("format", {}).get("codec"))
     rows = [
         ("cache", args.cache),
-        ("format", f"{m['format']} format {m['format_version']}, backend {m['backend']} (codec {codec}), "
-                   f"log-probs {m['logprob_dtype']}" + (f", top-p {m['top_p']}" if m.get("top_p") else "")),
-        ("status", ("complete" if m["complete"] else "INCOMPLETE") +
-                   f" ({len(m['shards'])}/{m['num_shards_planned']} shards)"),
+        ("format", f"{m.format} format {m.format_version}, storage {m.backend} (codec {codec}), "
+                   f"log-probs {m.logprob_dtype}" + (f", top-p {m.top_p}" if m.top_p else "")),
+        ("status", ("complete" if m.complete else "INCOMPLETE") +
+                   f" ({len(m.shards)}/{m.num_shards_planned} shards)"),
         ("samples", f"{c['samples']:,}"),
         ("tokens", f"{c['tokens']:,} (scored positions {c['positions']:,})"),
-        ("top_k", m["top_k"]),
-        ("vocab_size", m["vocab_size"]),
-        ("eos_token_ids", m["eos_token_ids"]),
+        ("top_k", m.top_k),
+        ("vocab_size", m.vocab_size),
+        ("eos_token_ids", m.eos_token_ids),
         ("size", f"{c['bytes'] / 1e6:.2f} MB, " + (f"{derived['bytes_per_position']:.1f} B/position"
                                                    if c["positions"] else "no positions")),
-        ("log-probs", BOUNDS.get(m["logprob_dtype"], m["logprob_dtype"]) + "; tail mass, target log-probs float32"),
+        ("log-probs", BOUNDS.get(m.logprob_dtype, m.logprob_dtype) + "; tail mass, target log-probs float32"),
         ("fidelity", fidelity_text(m)),
         ("teacher on data", teacher_ce_text(m)),
-        ("fingerprint", m["fingerprint"][:16]),
+        ("fingerprint", m.fingerprint[:16]),
     ] + [(k, v) for k, v in sorted(meta.items()) if isinstance(v, (str, int, float))]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
@@ -73,23 +73,23 @@ def inspect_main(argv=None):
     _print_field_bytes(args.cache, m, codec)
     print()
     print(f"{'shard':<24} {'samples':>8} {'range':>15} {'tokens':>10} {'positions':>10} {'MB':>8}")
-    for s in m["shards"]:
-        rng = f"{s['sample_start']}-{s['sample_end']}"
-        print(f"{s['path']:<24} {s['num_samples']:>8} {rng:>15} {s['num_tokens']:>10} "
-              f"{s['num_positions']:>10} {s['bytes'] / 1e6:>8.2f}")
+    for s in m.shards:
+        rng = f"{s.sample_start}-{s.sample_end}"
+        print(f"{s.path:<24} {s.num_samples:>8} {rng:>15} {s.num_tokens:>10} "
+              f"{s.num_positions:>10} {s.bytes / 1e6:>8.2f}")
     return 0
 
 
 def _print_field_bytes(where, m, codec):
     """Bytes per trained position of each field, measured on the first shard (local caches)."""
     loc = Location(where)
-    if loc.remote or not m["shards"] or not m["shards"][0]["num_positions"]:
+    if loc.remote or not m.shards or not m.shards[0].num_positions:
         return
-    s = m["shards"][0]
-    sizes = get_backend(m["backend"]).field_bytes(safe_shard_path(loc.url, s["path"]), codec)
-    print(f"\nbytes per trained position by field ({s['path']}, {s['num_positions']:,} positions):")
+    s = m.shards[0]
+    sizes = get_format(m.backend).field_bytes(safe_shard_path(loc.url, s.path), codec)
+    print(f"\nbytes per trained position by field ({s.path}, {s.num_positions:,} positions):")
     for name, b in sorted(sizes.items(), key=lambda x: -x[1]):
-        print(f"  {name:<18}{b / s['num_positions']:>8.2f}")
+        print(f"  {name:<18}{b / s.num_positions:>8.2f}")
 
 
 def _store_hint(path):
@@ -132,7 +132,7 @@ def ls_main(argv=None):
     cards = {e.name: _card(e) for e in entries}
     if args.json:
         for e in entries:
-            m = e.manifest or {}
+            m = e.manifest.to_json() if e.manifest else {}
             print(json.dumps({"name": e.name, "url": e.url, "state": e.state, "complete": e.complete,
                               "fingerprint": m.get("fingerprint"), "meta": m.get("meta"), "top_k": m.get("top_k"),
                               "backend": m.get("backend"), "counts": m.get("counts"), "updated": e.updated,
@@ -145,7 +145,7 @@ def ls_main(argv=None):
     rows = [("NAME", "STATE", "TEACHER", "DATASET", "K", "BACKEND", "SAMPLES", "SIZE", "UPDATED", "LAST USED", "RUNS",
              "CARD")]
     for e in entries:
-        m = e.manifest or {}
+        m = e.manifest.to_json() if e.manifest else {}
         meta = m.get("meta", {})
         c = m.get("counts", {})
         state = e.state + (" (writing)" if e.writing else "")
@@ -205,10 +205,10 @@ def gc_main(argv=None):
     plan = gc(args.store, incomplete_older_than=args.incomplete_older_than, unused_since=unused,
               dry_run=args.dry_run)
     for e, action, why in plan:
-        size = (e.manifest or {}).get("counts", {}).get("bytes", 0)
+        size = e.manifest.counts["bytes"] if e.manifest else 0
         print(f"{action:<13} {e.name}  ({e.state}, {size / 1e6:.1f} MB): {why}")
     removed = [e for e, a, _ in plan if a in ("removed", "would remove")]
-    freed = sum((e.manifest or {}).get("counts", {}).get("bytes", 0) for e in removed)
+    freed = sum(e.manifest.counts["bytes"] for e in removed if e.manifest)
     verb = "would remove" if args.dry_run else "removed"
     print(f"{verb} {len(removed)} cache(s), {freed / 1e6:.1f} MB; kept {len(plan) - len(removed)} matching "
           "cache(s) in use")

@@ -46,7 +46,7 @@ class ShardFetcher:
                 f = self._futures.get(j)
                 if f is not None and not (f.done() and f.exception() is not None):
                     continue
-                need = self.shards[j]["bytes"]
+                need = self.shards[j].bytes
                 if not force:
                     self._evict(room=need, consumed_only=True)
                     used = sum(self._present.values()) + self._inflight()
@@ -70,29 +70,29 @@ class ShardFetcher:
         return os.path.join(self.dir, f"shard-{j:06d}")
 
     def _inflight(self):
-        return sum(self.shards[j]["bytes"] for j, f in self._futures.items() if not f.done())
+        return sum(self.shards[j].bytes for j, f in self._futures.items() if not f.done())
 
     def _download(self, j):
         info = self.shards[j]
         local = self._local(j)
         for attempt in range(RETRIES):
             try:
-                self.loc.download(info["path"], local)
+                self.loc.download(info.path, local)
                 break
             except FileNotFoundError:
-                raise ShardError(f"{self.loc.path(info['path'])}: shard {info['index']} is listed in the manifest "
+                raise ShardError(f"{self.loc.path(info.path)}: shard {info.index} is listed in the manifest "
                                  "but missing") from None
             except OSError as e:
                 if attempt + 1 == RETRIES:
-                    raise ShardError(f"{self.loc.path(info['path'])}: download failed ({e})") from e
+                    raise ShardError(f"{self.loc.path(info.path)}: download failed ({e})") from e
                 time.sleep(0.5 * 2 ** attempt)
-        if hash_tree(local) != info["sha256"]:
+        if hash_tree(local) != info.sha256:
             remove(local)
-            raise ShardError(f"{self.loc.path(info['path'])}: shard {info['index']} fails its sha256 checksum "
+            raise ShardError(f"{self.loc.path(info.path)}: shard {info.index} fails its sha256 checksum "
                              "(the stored bytes changed after it was committed)")
         with self._lock:
-            self._present[j] = info["bytes"]
-            self.downloaded_bytes += info["bytes"]
+            self._present[j] = info.bytes
+            self.downloaded_bytes += info.bytes
         return local
 
     def _evict(self, keep=None, room=0, consumed_only=False):
@@ -112,11 +112,6 @@ class ShardFetcher:
             self._futures.pop(j, None)
             self._consumed.discard(j)
             remove(self._local(j))
-
-    @property
-    def bytes_on_disk(self):
-        with self._lock:
-            return sum(self._present.values())
 
     def close(self):
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -30,16 +30,6 @@ LAST_USED = ".last_used.json"
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 
-def pid_alive(pid):
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError, TypeError):
-        return True
-    return True
-
-
 def pid_namespace():
     """This process's PID namespace ('pid:[4026531836]'): containers sharing a host name differ here."""
     try:

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import time
+from dataclasses import dataclass
 
 from .compact import LOGPROB_DTYPES
 from .errors import ManifestError, ManifestMissing
@@ -34,12 +35,138 @@ def shard_name(index: int, backend_ext: str, tag: str | None = None) -> str:
     return f"{SHARD_DIR}/shard-{index:05d}{'-' + tag if tag else ''}.{backend_ext}"
 
 
+def shard_range(index: int, shard_size: int, num_records: int) -> tuple[int, int]:
+    """[lo, hi): the records shard `index` covers under a plan of shard_size records per shard (SPEC.md 3)."""
+    return min(index * shard_size, num_records), min((index + 1) * shard_size, num_records)
+
+
+def num_shards(num_records, shard_size):
+    """Shards of the plan: ceil(records / shard_size), and one (empty) shard for no records."""
+    return max(1, -(-int(num_records) // int(shard_size)))
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One committed shard, as listed in the manifest's `shards` (SPEC.md section 3).
+
+    sample_start/sample_end: the half-open range of dataset record indices it covers (skipped records leave
+    gaps); num_truncated and stats are absent in format-1 caches (None here, and left out when written)."""
+    index: int
+    path: str                   # relative to the cache, e.g. shards/shard-00003-1a2b3c4d.arrow
+    sample_start: int
+    sample_end: int
+    num_samples: int
+    num_tokens: int
+    num_positions: int
+    bytes: int
+    sha256: str                 # SPEC.md section 5
+    num_truncated: int | None = None
+    stats: dict | None = None   # STATS keys: stored fidelity and the teacher's NLL of the data's tokens
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ShardEntry":
+        return cls(**{f: d[f] for f in SHARD_REQUIRED}, num_truncated=d.get("num_truncated"),
+                   stats=d.get("stats"))
+
+    def to_json(self) -> dict:
+        d = {f: getattr(self, f) for f in SHARD_REQUIRED}
+        if self.num_truncated is not None:
+            d["num_truncated"] = self.num_truncated
+        if self.stats is not None:
+            d["stats"] = dict(self.stats)
+        return d
+
+
+# Keys that are typed attributes of Manifest; any other key a manifest holds is kept as it is.
+_OPTIONAL = ("top_p", "fingerprint_parts", "created", "updated", "meta", "plan", "writer_generation")
+
+
+class Manifest:
+    """manifest.json, parsed and validated: the commit record of a cache (SPEC.md section 3).
+
+    Fields are attributes (`m.top_k`, `m.shards`: a list of ShardEntry sorted by index); the writer changes it
+    only through commit() and set_meta(). `m[key]` reads the JSON form (what `kdcache inspect --json` prints),
+    for code written against the dict this used to be; it cannot be written to.
+    """
+
+    def __init__(self, data: dict):
+        self.format, self.format_version = data["format"], data["format_version"]
+        self.backend = data["backend"]               # the storage format: "arrow" or "zarr" (SPEC.md 4)
+        self.top_k, self.vocab_size = data["top_k"], data["vocab_size"]
+        self.eos_token_ids = list(data["eos_token_ids"])
+        self.logprob_dtype = data["logprob_dtype"]
+        self.fingerprint = data["fingerprint"]
+        self.num_shards_planned, self.complete = data["num_shards_planned"], data["complete"]
+        self.counts = dict(data["counts"])
+        self.shards = sorted((ShardEntry.from_json(s) for s in data["shards"]), key=lambda s: s.index)
+        self.top_p = data.get("top_p")
+        self.fingerprint_parts = data.get("fingerprint_parts", {})
+        self.created, self.updated = data.get("created"), data.get("updated")
+        self.meta = dict(data.get("meta") or {})
+        self.plan = data.get("plan")                 # {"shard_size": S, "records": N} or None
+        self.writer_generation = data.get("writer_generation")
+        self._present = {k for k in _OPTIONAL if k in data}
+        self._extra = {k: v for k, v in data.items() if k not in REQUIRED and k not in _OPTIONAL}
+
+    # -- lookup ------------------------------------------------------------------------
+    def shard(self, index: int) -> ShardEntry | None:
+        """The committed shard of plan index `index`, or None."""
+        return next((s for s in self.shards if s.index == index), None)
+
+    def done_indices(self) -> set[int]:
+        return {s.index for s in self.shards}
+
+    def shard_range(self, index: int) -> tuple[int, int] | None:
+        """The records the plan gives shard `index`, or None for a cache without a plan."""
+        return None if not self.plan else shard_range(index, self.plan["shard_size"], self.plan["records"])
+
+    # -- changes (the writer's) --------------------------------------------------------
+    def commit(self, entry: ShardEntry, where="") -> None:
+        """Add a finished shard and recount. ManifestError if it is listed already or outside the plan."""
+        if entry.index in self.done_indices():
+            raise ManifestError(f"{where}: shard {entry.index} is already committed")
+        if not 0 <= entry.index < self.num_shards_planned:
+            raise ManifestError(f"{where}: shard index {entry.index} outside the plan [0, {self.num_shards_planned})")
+        self.shards = sorted([*self.shards, entry], key=lambda s: s.index)
+        self.recount()
+
+    def set_meta(self, key: str, value) -> None:
+        self.meta[key] = value
+
+    def recount(self) -> None:
+        """Counts from the shard list, the complete flag, the time of this change."""
+        self.counts = {c: sum(getattr(s, c if c == "bytes" else "num_" + c) for s in self.shards) for c in COUNTS}
+        self.complete = len(self.shards) == self.num_shards_planned
+        self.updated = _now()
+
+    # -- the JSON form -----------------------------------------------------------------
+    def to_json(self) -> dict:
+        d = {"format": self.format, "format_version": self.format_version, "backend": self.backend,
+             "top_k": self.top_k, "vocab_size": self.vocab_size, "eos_token_ids": list(self.eos_token_ids),
+             "logprob_dtype": self.logprob_dtype, "fingerprint": self.fingerprint,
+             "num_shards_planned": self.num_shards_planned, "complete": self.complete,
+             "counts": dict(self.counts), "shards": [s.to_json() for s in self.shards], **self._extra}
+        for k in _OPTIONAL:
+            if k in self._present or getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        return d
+
+    def __getitem__(self, key):
+        return self.to_json()[key]
+
+    def get(self, key, default=None):
+        return self.to_json().get(key, default)
+
+    def __contains__(self, key):
+        return key in self.to_json()
+
+
 def new_manifest(*, backend, top_k, vocab_size, eos_token_ids, fingerprint, fingerprint_parts,
-                 num_shards_planned, logprob_dtype="float16", top_p=None, meta=None, plan=None):
+                 num_shards_planned, logprob_dtype="float16", top_p=None, meta=None, plan=None) -> Manifest:
     if logprob_dtype not in LOGPROB_DTYPES:
         raise ManifestError(f"logprob_dtype must be one of {LOGPROB_DTYPES}, got {logprob_dtype!r}")
     now = _now()
-    return {
+    return Manifest({
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "backend": backend,
@@ -58,14 +185,14 @@ def new_manifest(*, backend, top_k, vocab_size, eos_token_ids, fingerprint, fing
         "shards": [],
         "meta": meta or {},
         **({"plan": plan} if plan else {}),
-    }
+    })
 
 
 def cache_stats(m):
     """Figures from the shards' `stats` (None where no shard records them): kl_mean, kl_max over trained
     positions, and the teacher's cross-entropy (nats/token) and perplexity on the data's own tokens."""
-    stats = [s["stats"] for s in m["shards"] if s.get("stats")]
-    positions = sum(s["num_positions"] for s in m["shards"] if s.get("stats"))
+    stats = [s.stats for s in m.shards if s.stats]
+    positions = sum(s.num_positions for s in m.shards if s.stats)
     targets = sum(st.get("target_positions", 0) for st in stats)
     ce = sum(st.get("target_nll_sum", 0.0) for st in stats) / targets if targets else None
     return {"kl_mean": sum(st.get("kl_sum", 0.0) for st in stats) / positions if positions else None,
@@ -91,28 +218,13 @@ def _now():
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def recount(manifest):
-    """Recompute counts from the shard list (sorted by index) and the complete flag."""
-    shards = sorted(manifest["shards"], key=lambda s: s["index"])
-    manifest["shards"] = shards
-    manifest["counts"] = {
-        "samples": sum(s["num_samples"] for s in shards),
-        "tokens": sum(s["num_tokens"] for s in shards),
-        "positions": sum(s["num_positions"] for s in shards),
-        "bytes": sum(s["bytes"] for s in shards),
-    }
-    manifest["complete"] = len(shards) == manifest["num_shards_planned"]
-    manifest["updated"] = _now()
-    return manifest
-
-
-def save_manifest(where, manifest, *, exclusive=False, if_match=None):
+def save_manifest(where, manifest: Manifest, *, exclusive=False, if_match=None):
     """Write the manifest whole (temp + rename locally, one conditional PUT on S3). Returns its version tag."""
-    data = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8") + b"\n"
+    data = json.dumps(manifest.to_json(), indent=1, sort_keys=True).encode("utf-8") + b"\n"
     return as_location(where).write_bytes(MANIFEST_NAME, data, exclusive=exclusive, if_match=if_match)
 
 
-def load_manifest(where):
+def load_manifest(where) -> Manifest:
     loc = as_location(where)
     path = loc.path(MANIFEST_NAME)
     try:
@@ -125,7 +237,7 @@ def load_manifest(where):
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path}: not valid JSON ({e}); the manifest is damaged") from e
     validate_manifest(manifest, loc)
-    return manifest
+    return Manifest(manifest)
 
 
 def validate_manifest(m, where):

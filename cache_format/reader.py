@@ -5,12 +5,12 @@ import time
 import warnings
 from collections import OrderedDict
 
-from .backends import get_backend
 from .errors import ManifestMissing, ShardError
 from .fingerprint import hash_tree
 from .lease import reader_lease
 from .location import as_location
 from .manifest import load_manifest, safe_shard_path
+from .storage import get_format
 
 OPEN_SHARDS = 4  # shard readers kept open for random access
 READ_AHEAD = 4   # shards a remote cache downloads ahead of a sequential reader
@@ -42,12 +42,12 @@ class Cache:
         self._fetcher = None
         try:
             self.manifest = self._load(retry=track_use)
-            self.shards = self.manifest["shards"]
-            self.top_k = self.manifest["top_k"]
-            self._reader_cls = get_backend(self.manifest["backend"]).Shard
+            self.shards = self.manifest.shards
+            self.top_k = self.manifest.top_k
+            self._reader_cls = get_format(self.manifest.backend).Shard
             self._starts = [0]
             for s in self.shards:
-                self._starts.append(self._starts[-1] + s["num_samples"])
+                self._starts.append(self._starts[-1] + s.num_samples)
             if self.location.remote:
                 from .fetch import ShardFetcher
                 self._fetcher = ShardFetcher(self.location, self.shards, max_bytes=fetch_bytes, directory=fetch_dir,
@@ -76,11 +76,11 @@ class Cache:
 
     @property
     def complete(self):
-        return bool(self.manifest["complete"])
+        return bool(self.manifest.complete)
 
     @property
     def eos_token_ids(self):
-        return list(self.manifest["eos_token_ids"])
+        return list(self.manifest.eos_token_ids)
 
     def shard(self, j):
         """The reader of the j-th listed shard (opened on demand, a few kept open)."""
@@ -90,8 +90,8 @@ class Cache:
         info = self.shards[j]
         path = self.local_path(j)
         reader = self._reader_cls(path, self.top_k)
-        if len(reader) != info["num_samples"]:
-            raise ShardError(f"{path}: holds {len(reader)} samples, the manifest says {info['num_samples']}")
+        if len(reader) != info.num_samples:
+            raise ShardError(f"{path}: holds {len(reader)} samples, the manifest says {info.num_samples}")
         self._open[j] = reader
         if len(self._open) > OPEN_SHARDS:
             self._open.popitem(last=False)
@@ -102,16 +102,16 @@ class Cache:
         info = self.shards[j]
         if self._fetcher is not None:
             return self._fetcher.get(j)
-        path = safe_shard_path(self.directory, info["path"])
+        path = safe_shard_path(self.directory, info.path)
         if not os.path.exists(path):
-            raise ShardError(f"{path}: shard {info['index']} is listed in the manifest but missing")
+            raise ShardError(f"{path}: shard {info.index} is listed in the manifest but missing")
         return path
 
     def checked_path(self, j):
         """local_path(j) after checking the shard's sha256 against the manifest (ShardError if it fails)."""
         path = self.local_path(j)
-        if self._fetcher is None and hash_tree(path, shard=True) != self.shards[j]["sha256"]:
-            raise ShardError(f"{path}: shard {self.shards[j]['index']} fails its sha256 checksum")
+        if self._fetcher is None and hash_tree(path, shard=True) != self.shards[j].sha256:
+            raise ShardError(f"{path}: shard {self.shards[j].index} fails its sha256 checksum")
         return path
 
     def prefetch(self, js):

@@ -20,7 +20,7 @@ from .errors import CacheError, ConflictError, LockedError, ManifestMissing
 from .lease import LAST_USED, READERS_DIR, Lease, is_live, live_readers
 from .location import as_location
 from .lock import LOCK_NAME, DirLock
-from .manifest import MANIFEST_NAME, load_manifest
+from .manifest import MANIFEST_NAME, Manifest, load_manifest
 
 STORE_MARKER = "kdcache-store.json"
 CLAIMS_DIR = ".claims"
@@ -149,7 +149,7 @@ def parse_time(stamp):
 class Entry:
     name: str
     url: str
-    manifest: dict | None = None
+    manifest: Manifest | None = None
     error: str | None = None
     readers: list = field(default_factory=list)
     writing: bool = False
@@ -159,7 +159,7 @@ class Entry:
 
     @property
     def complete(self):
-        return bool(self.manifest and self.manifest["complete"])
+        return bool(self.manifest and self.manifest.complete)
 
     @property
     def state(self):
@@ -170,7 +170,7 @@ class Entry:
         if self.manifest is None:
             return "empty"
         m = self.manifest
-        return "complete" if m["complete"] else f"incomplete {len(m['shards'])}/{m['num_shards_planned']}"
+        return "complete" if m.complete else f"incomplete {len(m.shards)}/{m.num_shards_planned}"
 
 
 def _writer_live(loc):
@@ -226,7 +226,7 @@ def describe_cache(loc, name):
     except CacheError as err:
         e.error = str(err)
     try:
-        e.updated = parse_time(e.manifest["updated"])
+        e.updated = parse_time(e.manifest.updated) if e.manifest else _last_write(c)
     except (TypeError, KeyError, ValueError):
         e.updated = _last_write(c)
     e.readers = live_readers(c)

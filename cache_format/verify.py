@@ -12,12 +12,12 @@ import numpy as np
 
 from kdcache.common.atomic import disk_bytes, remove
 
-from .backends import get_backend
 from .errors import CacheError, RecordError, ShardError
 from .fingerprint import check_shard_tree, hash_tree
 from .location import as_location
 from .manifest import SHARD_DIR, check_shard_path, load_manifest, safe_shard_path
 from .record import check_record, lacks_end_of_turn
+from .storage import get_format
 
 MASS_TOL = {"float16": 2e-2, "float32": 1e-3, "sqrt8": 1e-3}  # |sum(p_topk) + tail - 1| allowed after rounding
 
@@ -53,16 +53,16 @@ def verify_cache(directory, *, structure=True) -> Report:
         rep.problems.append(("manifest.json", str(e)))
         return rep
     for key in ("samples", "tokens", "positions", "bytes"):
-        total = sum(s["num_" + key] if key != "bytes" else s["bytes"] for s in m["shards"])
-        if total != m["counts"][key]:
-            rep.problems.append(("manifest.json", f"counts.{key} is {m['counts'][key]}, shards add up to {total}"))
+        total = sum(getattr(s, key if key == "bytes" else "num_" + key) for s in m.shards)
+        if total != m.counts[key]:
+            rep.problems.append(("manifest.json", f"counts.{key} is {m.counts[key]}, shards add up to {total}"))
     _coverage(m, rep)
     listed = set()
     seen_ids = set()
     scratch = tempfile.mkdtemp(prefix="kdcache-verify-") if loc.remote else None
     try:
-        for n, info in enumerate(m["shards"]):
-            listed.add(info["path"])
+        for n, info in enumerate(m.shards):
+            listed.add(info.path)
             # A remote shard is checked on a local copy whose name is ours, never built from the manifest.
             local = os.path.join(scratch, f"shard-{n:06d}") if scratch else None
             _verify_shard(loc, m, info, rep, seen_ids, structure, local)
@@ -70,14 +70,14 @@ def verify_cache(directory, *, structure=True) -> Report:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
     _orphans(loc, listed, rep)
-    if not m["complete"]:
-        rep.warnings.append(("manifest.json", f"incomplete: {len(m['shards'])} of "
-                             f"{m['num_shards_planned']} planned shards committed"))
+    if not m.complete:
+        rep.warnings.append(("manifest.json", f"incomplete: {len(m.shards)} of "
+                             f"{m.num_shards_planned} planned shards committed"))
     return rep
 
 
 def _verify_shard(loc, m, info, rep, seen_ids, structure, local):
-    name = info["path"]
+    name = info.path
     try:
         check_shard_path(loc, name)
         path = local if loc.remote else safe_shard_path(loc.url, name)
@@ -97,10 +97,10 @@ def _verify_shard(loc, m, info, rep, seen_ids, structure, local):
         rep.problems.append((name, str(e)))
         return
     size = disk_bytes(path)
-    if size != info["bytes"]:
-        rep.problems.append((name, f"size is {size} bytes, the manifest says {info['bytes']} (truncated or replaced)"))
+    if size != info.bytes:
+        rep.problems.append((name, f"size is {size} bytes, the manifest says {info.bytes} (truncated or replaced)"))
         return
-    if hash_tree(path, shard=True) != info["sha256"]:
+    if hash_tree(path, shard=True) != info.sha256:
         rep.problems.append((name, "sha256 checksum mismatch (the shard's bytes changed after it was committed)"))
         return
     rep.shards_checked += 1
@@ -114,25 +114,25 @@ def _verify_shard(loc, m, info, rep, seen_ids, structure, local):
 
 
 def _verify_records(path, m, info, rep, seen_ids):
-    name, k, V = info["path"], m["top_k"], m["vocab_size"]
-    eos = np.array(m["eos_token_ids"], dtype=np.int64)
-    tol = MASS_TOL[m["logprob_dtype"]]
-    reader = get_backend(m["backend"]).Shard(path, k)
+    name, k, V = info.path, m.top_k, m.vocab_size
+    eos = np.array(m.eos_token_ids, dtype=np.int64)
+    tol = MASS_TOL[m.logprob_dtype]
+    reader = get_format(m.backend).Shard(path, k)
     n = tokens = positions = 0
     prev = None
     for rec in reader:
         n += 1
         try:
-            check_record(rec, k, V, ranked=m["logprob_dtype"] != "sqrt8")
+            check_record(rec, k, V, ranked=m.logprob_dtype != "sqrt8")
         except RecordError as e:
             rep.problems.append((name, str(e)))
             continue
         sid = rec.sample_id
         tokens += len(rec.input_ids)
         positions += len(rec.positions)
-        if not info["sample_start"] <= sid < info["sample_end"]:
+        if not info.sample_start <= sid < info.sample_end:
             rep.problems.append((name, f"sample {sid} outside the shard's range "
-                                 f"[{info['sample_start']}, {info['sample_end']})"))
+                                 f"[{info.sample_start}, {info.sample_end})"))
         if prev is not None and sid <= prev:
             rep.problems.append((name, f"sample ids not increasing ({prev} then {sid})"))
         if sid in seen_ids:
@@ -141,7 +141,7 @@ def _verify_records(path, m, info, rep, seen_ids):
         prev = sid
         p = np.exp(rec.topk_logprobs.astype(np.float64))
         mass = p.sum(-1) + rec.tail_mass
-        if np.any(np.abs(mass - 1) > tol + sqrt8_mass_error(p, m["logprob_dtype"])):
+        if np.any(np.abs(mass - 1) > tol + sqrt8_mass_error(p, m.logprob_dtype)):
             rep.problems.append((name, f"sample {sid}: top-k mass + tail_mass spans "
                                  f"{mass.min():.4f}..{mass.max():.4f}, expected 1"))
         if lacks_end_of_turn(rec.targets, rec.truncated, eos):
@@ -149,30 +149,29 @@ def _verify_records(path, m, info, rep, seen_ids):
                                  f"{eos.tolist()} and the sample is not flagged truncated"))
     rep.samples_checked += n
     for what, got in (("samples", n), ("tokens", tokens), ("positions", positions)):
-        if got != info["num_" + what]:
-            rep.problems.append((name, f"holds {got} {what}, the manifest says {info['num_' + what]}"))
+        if got != getattr(info, "num_" + what):
+            rep.problems.append((name, f"holds {got} {what}, the manifest says {getattr(info, 'num_' + what)}"))
 
 
 def _coverage(m, rep):
     """Shard ranges tile the records with no gap or overlap (and match the recorded plan): a complete cache
     never lacks a record. Records skipped as bad lie inside ranges; they are counted in meta.skipped."""
-    plan = m.get("plan")
+    plan = m.plan
     end = 0
-    for s in m["shards"]:                          # sorted by index
-        j, lo, hi = s["index"], s["sample_start"], s["sample_end"]
+    for s in m.shards:                          # sorted by index
+        j, lo, hi = s.index, s.sample_start, s.sample_end
         if plan:
-            size, n = plan["shard_size"], plan["records"]
-            want = (min(j * size, n), min((j + 1) * size, n))
+            want = m.shard_range(j)
             if (lo, hi) != want:
                 rep.problems.append(("manifest.json", f"shard {j} covers records [{lo}, {hi}), the plan "
-                                     f"({size} per shard) gives it [{want[0]}, {want[1]})"))
-        elif m["complete"] and lo != end:
+                                     f"({plan['shard_size']} per shard) gives it [{want[0]}, {want[1]})"))
+        elif m.complete and lo != end:
             rep.problems.append(("manifest.json", f"records [{min(end, lo)}, {max(end, lo)}) are "
                                  f"{'in no shard' if lo > end else 'in two shards'} (before shard {j})"))
         end = hi
-    if plan and m["complete"] and m["shards"] and m["shards"][-1]["sample_end"] != plan["records"]:
+    if plan and m.complete and m.shards and m.shards[-1].sample_end != plan["records"]:
         rep.problems.append(("manifest.json", f"complete, but the shards end at record "
-                             f"{m['shards'][-1]['sample_end']} of {plan['records']}"))
+                             f"{m.shards[-1].sample_end} of {plan['records']}"))
 
 
 def _orphans(loc, listed, rep):

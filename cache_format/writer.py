@@ -8,10 +8,10 @@ import os
 import shutil
 import tempfile
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 
-from .backends import default_codec, get_backend
 from .compact import to_store
 from .errors import ConflictError, FingerprintError, LockedError, ManifestError
 from .fingerprint import describe_diff, fingerprint
@@ -19,39 +19,40 @@ from .lease import Lease
 from .location import as_location
 from .lock import LOCK_NAME, DirLock
 from .manifest import (
-    FORMAT_VERSION,
     MANIFEST_NAME,
     SHARD_DIR,
+    Manifest,
+    ShardEntry,
     load_manifest,
     new_manifest,
-    recount,
+    num_shards,
     save_manifest,
     shard_name,
+    shard_range,
 )
 from .record import check_record
+from .storage import Storage
 
 
-def write_shard_file(directory, index, records, *, backend, top_k, vocab_size,
-                     sample_start, sample_end, logprob_dtype="float16", codec=None, top_p=None, tag=None):
+def write_shard_file(directory, index, records, *, storage: Storage, vocab_size, sample_start, sample_end,
+                     tag=None) -> ShardEntry:
     """Check and write one shard atomically. Returns its manifest entry (not yet committed).
-
-    top_p: keep per position the smallest prefix of the top-k reaching this mass (None: all k).
 
     sample_start/sample_end: the half-open range of dataset record indices this
     shard covers (records skipped as bad leave gaps; they are counted elsewhere).
     tag: the writing job's id, part of the name (CacheWriter.shard_tag), so that no write or upload of
     another job (a stale worker of a killed or displaced job) can ever replace a committed shard.
     """
-    mod = get_backend(backend)
     checked, kls = [], []
     for r in records:
-        rec, kl = to_store(check_record(r, top_k, vocab_size), top_p=top_p, logprob_dtype=logprob_dtype,
-                           vocab_size=vocab_size)
+        rec, kl = to_store(check_record(r, storage.top_k, vocab_size), top_p=storage.top_p,
+                           logprob_dtype=storage.logprob_dtype, vocab_size=vocab_size)
         checked.append(rec)
         kls.append(kl)
+    mod = storage.module
     rel = shard_name(index, mod.EXT, tag)
     loc = as_location(directory)
-    kw = dict(top_k=top_k, logprob_dtype=logprob_dtype, codec=default_codec(backend, codec))
+    kw = dict(top_k=storage.top_k, logprob_dtype=storage.logprob_dtype, codec=storage.codec)
     if not loc.remote:
         os.makedirs(os.path.join(loc.url, SHARD_DIR), exist_ok=True)
         size, digest = mod.write_shard(loc.path(rel), checked, **kw)
@@ -63,16 +64,19 @@ def write_shard_file(directory, index, records, *, backend, top_k, vocab_size,
             loc.upload(local, rel)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return {
-        "index": int(index), "path": rel,
-        "sample_start": int(sample_start), "sample_end": int(sample_end),
-        "num_samples": len(checked),
-        "num_tokens": int(sum(len(r.input_ids) for r in checked)),
-        "num_positions": int(sum(len(r.positions) for r in checked)),
-        "num_truncated": int(sum(r.truncated for r in checked)),
-        "bytes": int(size), "sha256": digest,
-        "stats": shard_stats(checked, kls),
-    }
+    entry = ShardEntry(
+        index=int(index), path=rel, sample_start=int(sample_start), sample_end=int(sample_end),
+        num_samples=len(checked), num_tokens=int(sum(len(r.input_ids) for r in checked)),
+        num_positions=int(sum(len(r.positions) for r in checked)), bytes=int(size), sha256=digest,
+        num_truncated=int(sum(r.truncated for r in checked)), stats=shard_stats(checked, kls))
+    return WrittenShard(entry, storage)
+
+
+@dataclass(frozen=True)
+class WrittenShard:
+    """A shard file written but not committed: its manifest entry and the storage it was written with."""
+    entry: ShardEntry
+    storage: Storage
 
 
 def shard_stats(records, kls):
@@ -85,18 +89,16 @@ def shard_stats(records, kls):
             "target_nll_sum": float(nll.sum()), "target_positions": int(len(nll))}
 
 
-def cache_fingerprint(fingerprint_parts, *, backend, top_k, logprob_dtype="float16", codec=None, top_p=None):
-    """(fingerprint, parts): the job's parts plus the storage format, as recorded in the manifest."""
+def cache_fingerprint(fingerprint_parts, storage: Storage):
+    """(fingerprint, parts): the job's parts plus the storage's `format` part, as recorded in the manifest."""
     parts = dict(fingerprint_parts)
-    parts["format"] = {"version": FORMAT_VERSION, "backend": backend, "top_k": int(top_k),
-                       "logprob_dtype": logprob_dtype, "codec": default_codec(backend, codec),
-                       "top_p": None if top_p is None else float(top_p)}
+    parts["format"] = storage.fingerprint_part()
     return fingerprint(parts), parts
 
 
 def _refuse_other_inputs(where, old, fp, parts):
-    if old["fingerprint"] != fp:
-        differ = describe_diff(old.get("fingerprint_parts", {}), parts)
+    if old.fingerprint != fp:
+        differ = describe_diff(old.fingerprint_parts, parts)
         raise FingerprintError(
             f"{where} already holds a cache made from different inputs "
             f"(differs in: {'; '.join(differ) or 'unknown parts'}). "
@@ -125,30 +127,28 @@ class CacheWriter:
     in the manifest as writer_generation, fences off a writer whose lease lapsed and was taken over.
     """
 
-    def __init__(self, directory, *, backend, top_k, vocab_size, eos_token_ids, fingerprint_parts,
-                 num_shards_planned=None, shard_size=None, num_records=None, logprob_dtype="float16", codec=None,
-                 top_p=None, meta=None):
-        """The plan: shard_size and num_records (shard j covers records [j*shard_size, ...)), recorded in
+    def __init__(self, directory, *, storage: Storage, vocab_size, eos_token_ids, fingerprint_parts,
+                 num_shards_planned=None, shard_size=None, num_records=None, meta=None):
+        """The plan: shard_size and num_records (shard j covers records shard_range(j, ...)), recorded in
         the manifest and checked on resume and on every commit; or num_shards_planned alone (ranges unchecked)."""
         self.location = as_location(directory)
         self.directory = self.location.url
-        self.backend, self.top_k, self.vocab_size = backend, int(top_k), int(vocab_size)
-        self.logprob_dtype, self.codec, self.top_p = logprob_dtype, default_codec(backend, codec), top_p
-        fp, parts = cache_fingerprint(fingerprint_parts, backend=backend, top_k=top_k,
-                                      logprob_dtype=logprob_dtype, codec=self.codec, top_p=top_p)
+        self.storage, self.vocab_size = storage, int(vocab_size)
+        fp, parts = cache_fingerprint(fingerprint_parts, storage)
         self.plan = None if shard_size is None else {"shard_size": int(shard_size), "records": int(num_records)}
         if self.plan:
             num_shards_planned = num_shards(num_records, shard_size)
-        self._init = dict(backend=backend, top_k=top_k, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
-                          fingerprint=fp, fingerprint_parts=parts, num_shards_planned=num_shards_planned,
-                          logprob_dtype=logprob_dtype, top_p=top_p, meta=meta, plan=self.plan)
+        self._init = dict(backend=storage.format, top_k=storage.top_k, vocab_size=vocab_size,
+                          eos_token_ids=eos_token_ids, fingerprint=fp, fingerprint_parts=parts,
+                          num_shards_planned=num_shards_planned, logprob_dtype=storage.logprob_dtype,
+                          top_p=storage.top_p, meta=meta, plan=self.plan)
         self._lock = (Lease(self.location, LOCK_NAME, exclusive=True) if self.location.remote
                       else DirLock(self.directory))
         # This job's shards carry its id in their names (see write_shard_file): its lease id on object
         # stores, a fresh random one locally, where flock is advisory (and per client on NFS).
         self.shard_tag = self._lock.owner[:8] if self.location.remote else uuid.uuid4().hex[:8]
         self._etag = None
-        self.manifest = None
+        self.manifest: Manifest | None = None
         self.resumed = False
 
     def open(self):
@@ -191,7 +191,7 @@ class CacheWriter:
         """Remove what killed writers left (we hold the lock: none is running): temp files of shards
         written half-way and of the manifest, and shards that were never committed (written or uploaded
         by killed or displaced jobs; each job writes under its own tag, so none of ours is among them)."""
-        listed = {s["path"] for s in self.manifest["shards"]}
+        listed = {s.path for s in self.manifest.shards}
         for name in self.location.list(SHARD_DIR):
             rel = f"{SHARD_DIR}/{name}"
             if rel not in listed:
@@ -204,58 +204,58 @@ class CacheWriter:
     def _check_same(self, old):
         new = self._init
         _refuse_other_inputs(self.directory, old, new["fingerprint"], new["fingerprint_parts"])
-        if self.plan and old.get("plan") not in (None, self.plan):
+        if self.plan and old.plan not in (None, self.plan):
             raise ManifestError(
-                f"{self.directory}: this cache was started with shards of {old['plan']['shard_size']} records "
-                f"({old['plan']['records']} records in all); this run plans {self.plan['shard_size']} "
-                f"({self.plan['records']}). Resume with --shard-size {old['plan']['shard_size']}, or use a new "
+                f"{self.directory}: this cache was started with shards of {old.plan['shard_size']} records "
+                f"({old.plan['records']} records in all); this run plans {self.plan['shard_size']} "
+                f"({self.plan['records']}). Resume with --shard-size {old.plan['shard_size']}, or use a new "
                 "output directory.")
-        if old["num_shards_planned"] != new["num_shards_planned"]:
-            raise ManifestError(f"{self.directory}: planned {old['num_shards_planned']} shards before, "
+        if old.num_shards_planned != new["num_shards_planned"]:
+            raise ManifestError(f"{self.directory}: planned {old.num_shards_planned} shards before, "
                                 f"{new['num_shards_planned']} now, with the same fingerprint")
-        for s in old["shards"]:              # caches written before the plan was recorded
+        for s in old.shards:              # caches written before the plan was recorded
             self._check_range(s, "was committed")
 
-    def _check_range(self, info, what):
+    def _check_range(self, entry: ShardEntry, what):
         """A shard must cover exactly the records the plan gives its index, or samples could be lost."""
         if not self.plan:
             return
-        j, size, n = info["index"], self.plan["shard_size"], self.plan["records"]
-        want = (min(j * size, n), min((j + 1) * size, n))
-        if (info["sample_start"], info["sample_end"]) != want:
+        j, size = entry.index, self.plan["shard_size"]
+        want = shard_range(j, size, self.plan["records"])
+        if (entry.sample_start, entry.sample_end) != want:
             raise ManifestError(
-                f"{self.directory}: shard {j} {what} for records [{info['sample_start']}, {info['sample_end']}) "
+                f"{self.directory}: shard {j} {what} for records [{entry.sample_start}, {entry.sample_end}) "
                 f"but this run's plan ({size} records per shard) gives it [{want[0]}, {want[1]}). Resume with the "
                 "--shard-size the cache was started with, or use a new output directory.")
 
     def done_indices(self):
-        return {s["index"] for s in self.manifest["shards"]}
+        return self.manifest.done_indices()
 
-    def write_shard(self, index, records, *, sample_start, sample_end):
+    def write_shard(self, index, records, *, sample_start, sample_end) -> ShardEntry:
         """Write one shard in this process and commit it (convenience for single-process jobs)."""
-        info = write_shard_file(self.directory, index, records, backend=self.backend, top_k=self.top_k,
-                                vocab_size=self.vocab_size, sample_start=sample_start, sample_end=sample_end,
-                                logprob_dtype=self.logprob_dtype, codec=self.codec, top_p=self.top_p,
-                                tag=self.shard_tag)
-        self.commit(info)
-        return info
+        written = write_shard_file(self.directory, index, records, storage=self.storage, vocab_size=self.vocab_size,
+                                   sample_start=sample_start, sample_end=sample_end, tag=self.shard_tag)
+        self.commit(written)
+        return written.entry
 
-    def commit(self, info):
-        """Add a finished shard to the manifest and rewrite it atomically."""
-        if info["index"] in self.done_indices():
-            raise ManifestError(f"{self.directory}: shard {info['index']} is already committed")
-        if not 0 <= info["index"] < self.manifest["num_shards_planned"]:
-            raise ManifestError(f"{self.directory}: shard index {info['index']} outside the plan "
-                                f"[0, {self.manifest['num_shards_planned']})")
-        self._check_range(info, "was written")
-        self.manifest["shards"].append(info)
-        recount(self.manifest)
+    def commit(self, written: WrittenShard):
+        """Add a finished shard to the manifest and rewrite it atomically. Refused if it was written with other
+        storage settings than this cache's, or covers other records than the plan gives its index."""
+        if written.storage != self.storage:
+            raise ManifestError(f"{self.directory}: shard {written.entry.index} was written as "
+                                f"{written.storage.describe()}, but this cache stores {self.storage.describe()}")
+        self._check_range(written.entry, "was written")
+        self.manifest.commit(written.entry, self.directory)
         self._save()
+
+    def set_meta(self, key, value):
+        """Record `key` in the manifest's meta; written with the next commit."""
+        self.manifest.set_meta(key, value)
 
     def _save(self, exclusive=False):
         if isinstance(self._lock, Lease):
             self._fence()
-            self.manifest["writer_generation"] = self._lock.generation
+            self.manifest.writer_generation = self._lock.generation
         try:
             self._etag = save_manifest(self.location, self.manifest, exclusive=exclusive,
                                        if_match=None if exclusive else self._etag)
@@ -292,19 +292,13 @@ class CacheWriter:
         self.close()
 
 
-def num_shards(num_records, shard_size):
-    """Shards of the plan: ceil(records / shard_size), and one (empty) shard for no records."""
-    return max(1, -(-int(num_records) // int(shard_size)))
-
-
 def write_cache(directory, records, *, shard_size, **kwargs):
-    """Write a whole cache in this process: records in order, shard_size per shard."""
+    """Write a whole cache in this process: records in order, shard_size per shard. Returns its Manifest."""
     records = list(records)
-    n_shards = num_shards(len(records), shard_size)
     with CacheWriter(directory, shard_size=shard_size, num_records=len(records), **kwargs) as w:
-        for j in range(n_shards):
+        for j in range(num_shards(len(records), shard_size)):
             if j in w.done_indices():
                 continue
-            part = records[j * shard_size:(j + 1) * shard_size]
-            w.write_shard(j, part, sample_start=j * shard_size, sample_end=j * shard_size + len(part))
+            lo, hi = shard_range(j, shard_size, len(records))
+            w.write_shard(j, records[lo:hi], sample_start=lo, sample_end=hi)
         return w.manifest

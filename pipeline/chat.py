@@ -15,19 +15,19 @@ after the generation prompt) is trained: it is what the model emits before answe
 """
 import numpy as np
 
-from kdcache.common.errors import BadRecord, SkipSample
+from kdcache.common.errors import BadRow, SkipSample
 
 TEMPLATE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError)   # plus jinja2's, below
 
 
 def render(tok, messages, gen_prompt=False):
-    """The template's text of `messages`; BadRecord if the template refuses them (Gemma and a system role,
+    """The template's text of `messages`; BadRow if the template refuses them (Gemma and a system role,
     Mistral and roles that do not alternate, a chat opening with the assistant)."""
     import jinja2
     try:
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
     except (jinja2.TemplateError, *TEMPLATE_ERRORS) as e:
-        raise BadRecord(f"the chat template refuses this chat: {type(e).__name__}: {e}") from None
+        raise BadRow(f"the chat template refuses this chat: {type(e).__name__}: {e}") from None
 
 
 def generation_prompt(tok, messages):
@@ -36,7 +36,7 @@ def generation_prompt(tok, messages):
     return opened[len(bare):] if opened.startswith(bare) else ""
 
 
-def chat_spans(tok, messages, eos_ids):
+def chat_spans(tok, messages, turn_ends):
     """(ids, [(a, b)]): the token ids of the rendered chat, and each assistant turn's trained targets [a, b)."""
     full = render(tok, messages)
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -53,7 +53,7 @@ def chat_spans(tok, messages, eos_ids):
             raise SkipSample("template", f"assistant turn {i}: its text is not in the chat as the template renders "
                              "it, so its tokens cannot be located")
         if m["role"] == "assistant":
-            spans.append(_turn_span(tok, messages[:i], full, ids, ends, cursor, where, size, eos_ids, i))
+            spans.append(_turn_span(tok, messages[:i], full, ids, ends, cursor, where, size, turn_ends, i))
             cursor = int(ends[spans[-1][1] - 1])
         else:
             cursor = where + size
@@ -70,14 +70,14 @@ def _find(full, content, cursor):
     return -1, 0
 
 
-def _turn_span(tok, before, full, ids, ends, cursor, where, size, eos_ids, i):
+def _turn_span(tok, before, full, ids, ends, cursor, where, size, turn_ends, i):
     opening = generation_prompt(tok, before)
     k = full.rfind(opening, cursor, where + 1) if opening else -1
     start = k + len(opening) if k >= 0 else where          # what the model writes after the opening
     a = int(np.searchsorted(ends, start, side="right"))     # the first token overlapping it
     c = int(np.searchsorted(ends, where + size, side="left"))
-    eot = next((j for j in range(c, len(ids)) if ids[j] in eos_ids), None)
+    eot = next((j for j in range(c, len(ids)) if ids[j] in turn_ends), None)
     if eot is None:
-        raise SkipSample("template", f"assistant turn {i}: no end-of-turn token {sorted(eos_ids)} follows it in "
+        raise SkipSample("template", f"assistant turn {i}: no end-of-turn token {sorted(turn_ends)} follows it in "
                          "the rendered chat")
     return a, eot + 1

@@ -1,8 +1,8 @@
 """Precompute settings: one typed dataclass, from YAML and flags."""
 from dataclasses import dataclass
 
-from kdcache.cache_format.backends import BACKENDS
 from kdcache.cache_format.compact import LOGPROB_DTYPES
+from kdcache.cache_format.storage import FORMATS, Storage
 from kdcache.common.config import field, validate
 
 from .teacher import TEACHERS
@@ -27,8 +27,8 @@ class PrecomputeConfig:
                          choices=("auto", *TEACHERS))
     mode: str = field("score", "score the dataset's completions, or generate new ones with the teacher",
                       choices=("score", "generate"))
-    format: str = field("arrow", "storage backend", choices=tuple(BACKENDS))
-    codec: str | None = field(None, "compression codec (default: the backend's smallest)")
+    format: str = field("arrow", "storage format of the shards", choices=tuple(FORMATS))
+    codec: str | None = field(None, "compression codec (default: the storage format's smallest)")
     logprob_dtype: str = field("float16", "how log-probs are stored: float16, float32, or sqrt8 (one byte: sqrt(p) "
                                           "in 255 steps, entries ordered for compression; SPEC.md 4.3)",
                                choices=LOGPROB_DTYPES)
@@ -70,9 +70,12 @@ class PrecomputeConfig:
                                           "positions that predict an end-of-turn token")
 
     def __post_init__(self):
+        codecs = getattr(FORMATS.get(self.format), "CODECS", ())
         validate(self, required=("teacher", "data", "out"), checks=[
             ("top_k", 1 <= self.top_k <= 4096, "must be in [1, 4096]"),
             ("top_p", self.top_p is None or 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("codec", self.codec is None or self.codec in codecs,
+             f"is not a codec of the {self.format} format (one of {list(codecs)})"),
             ("max_length", self.max_length is None or self.max_length >= 2, "must be >= 2"),
             ("shard_size", self.shard_size >= 1, "must be >= 1"),
             ("workers", self.workers >= 1, "must be >= 1"),
@@ -85,3 +88,7 @@ class PrecomputeConfig:
             ("gen_top_p", 0 < self.gen_top_p <= 1, "must be in (0, 1]"),
             ("threads", self.threads >= 0, "must be >= 0"),
         ])
+
+    def storage(self) -> Storage:
+        """How the cache stores the teacher's rows (its CacheWriter owns this one object)."""
+        return Storage(self.format, self.top_k, self.logprob_dtype, self.codec, self.top_p)

@@ -1,7 +1,7 @@
 """Dataset readers and the record parser.
 
 Sources: JSONL, Parquet, or a Hugging Face `datasets` directory saved with
-`save_to_disk`. Each yields RawRecord(index, where, data, error): index counts
+`save_to_disk`. Each yields Row(index, where, data, error): index counts
 records in file order (the cache's sample_id), `where` is "file:line" or
 "file:row N" for messages. Bad records are never dropped here: they come out
 with `error` set and the job counts, reports, or fails on them.
@@ -14,23 +14,24 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kdcache.common.errors import BadRecord, DataError
+from kdcache.common.errors import BadRow, DataError
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
 
 @dataclass
-class RawRecord:
-    index: int
-    where: str
-    data: object = None
-    error: str = None
+class Row:
+    """One row of the dataset (a JSONL line, a Parquet or `datasets` row), before parsing. Not a cache Record."""
+    index: int               # its place in the dataset's fixed order: the sample id of what it becomes
+    where: str               # "FILE:LINE" or "FILE row N", for messages
+    data: object = None      # the decoded JSON object (or table row as a dict)
+    error: str = None        # why it could not be decoded (a bad row, counted under --on-bad-record)
 
 
 @dataclass
 class Example:
-    """A parsed record. kind: 'chat' (messages), 'pair' (prompt/completion) or 'text'."""
+    """A parsed row. kind: 'chat' (messages), 'pair' (prompt/completion) or 'text'."""
     kind: str
     messages: list = None
     prompt: str = None
@@ -38,8 +39,8 @@ class Example:
     text: str = None
 
 
-def iter_records(path):
-    """Yield RawRecord for every record of the dataset at path, in a fixed order."""
+def iter_rows(path):
+    """Yield Row for every record of the dataset at path, in a fixed order."""
     if not os.path.exists(path):
         raise DataError(f"dataset {path} does not exist (hub dataset names need network access, "
                         "which this machine has not: save the dataset to disk and pass the directory)")
@@ -67,7 +68,7 @@ def _iter_jsonl(path):
                 data, error = None, f"invalid UTF-8 at byte {e.start}"
             except json.JSONDecodeError as e:
                 data, error = None, f"invalid JSON ({e.msg} at column {e.colno})"
-            yield RawRecord(index, where, data, error)
+            yield Row(index, where, data, error)
             index += 1
 
 
@@ -79,7 +80,7 @@ def _iter_table_rows(name, batches, start=0):
     index = start
     for batch in batches:
         for row in batch.to_pylist():
-            yield RawRecord(index, f"{name}:row {index - start}", row, None)
+            yield Row(index, f"{name}:row {index - start}", row, None)
             index += 1
 
 
@@ -109,38 +110,38 @@ def _iter_hf_dir(path):
 def _need_str(d, key, where_key=None, allow_empty=False):
     v = d.get(key)
     if not isinstance(v, str):
-        raise BadRecord(f"field {where_key or key!r} must be a string, got {type(v).__name__}")
+        raise BadRow(f"field {where_key or key!r} must be a string, got {type(v).__name__}")
     if not allow_empty and not v.strip():
-        raise BadRecord(f"field {where_key or key!r} is empty or whitespace only")
+        raise BadRow(f"field {where_key or key!r} is empty or whitespace only")
     return v
 
 
-def parse_record(data) -> Example:
-    """Check the record's shape and types; raise BadRecord naming the field. Unknown fields are ignored."""
+def parse_row(data) -> Example:
+    """Check the record's shape and types; raise BadRow naming the field. Unknown fields are ignored."""
     if not isinstance(data, dict):
-        raise BadRecord(f"record must be a JSON object, got {type(data).__name__}")
+        raise BadRow(f"record must be a JSON object, got {type(data).__name__}")
     if "messages" in data:
         msgs = data["messages"]
         if not isinstance(msgs, list) or not msgs:
-            raise BadRecord("field 'messages' must be a non-empty list")
+            raise BadRow("field 'messages' must be a non-empty list")
         out = []
         for i, m in enumerate(msgs):
             if not isinstance(m, dict):
-                raise BadRecord(f"messages[{i}] must be an object, got {type(m).__name__}")
+                raise BadRow(f"messages[{i}] must be an object, got {type(m).__name__}")
             role = m.get("role")
             if role not in ROLES:
-                raise BadRecord(f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}")
+                raise BadRow(f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}")
             content = _need_str(m, "content", f"messages[{i}].content", allow_empty=role != "assistant")
             out.append({"role": role, "content": content})
         if not any(m["role"] == "assistant" for m in out):
-            raise BadRecord("chat has no assistant turn, so nothing to distill")
+            raise BadRow("chat has no assistant turn, so nothing to distill")
         return Example("chat", messages=out)
     if "prompt" in data:
         key = "completion" if "completion" in data else "response" if "response" in data else None
         if key is None:
-            raise BadRecord("field 'prompt' needs a 'completion' (or 'response') field")
+            raise BadRow("field 'prompt' needs a 'completion' (or 'response') field")
         return Example("pair", prompt=_need_str(data, "prompt", allow_empty=True), completion=_need_str(data, key))
     if "text" in data:
         return Example("text", text=_need_str(data, "text"))
-    raise BadRecord(f"record has none of the fields 'messages', 'prompt'+'completion', 'text' "
+    raise BadRow(f"record has none of the fields 'messages', 'prompt'+'completion', 'text' "
                     f"(found: {sorted(data)[:8]})")

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kdcache.cache_format.manifest import shard_range
 from kdcache.common.errors import Interrupted, WorkerDied
 from kdcache.common.signals import SIGNALS, StopFlag
 
@@ -131,17 +132,10 @@ def worker_gpus(cfg):
 
 
 def unit_samples(reader, j, shard_size):
-    """Shard j's samples (records [j*shard_size, (j+1)*shard_size)) from a SpoolReader, skipping those of earlier
-    shards nobody asked for. Shards are taken in increasing order."""
-    lo, hi = j * shard_size, (j + 1) * shard_size
+    """Shard j's samples (its records, shard_range) from a SpoolReader, skipping those of earlier shards nobody
+    asked for. Shards are taken in increasing order."""
+    lo, hi = shard_range(j, shard_size, float("inf"))
     return [s for s in reader.take(hi) if s.sample_id >= lo]
-
-
-def iter_units(shard_size, spool, todo):
-    """Yield (shard index, [Sample]) for the shards in `todo`, from the spooled samples (empty shards too)."""
-    reader = spool.reader()
-    for j in sorted(todo):
-        yield j, unit_samples(reader, j, shard_size)
 
 
 def start_workers(cfg, ray, spec, gpus, n, remote_out):
@@ -269,7 +263,7 @@ class Dispatcher:
         """Whether every record of the next shard to submit has been read."""
         if not self.units:
             return False
-        return self.scan_done or self.scanned >= min((self.units[0] + 1) * self.cfg.shard_size, self.n_records)
+        return self.scan_done or self.scanned >= shard_range(self.units[0], self.cfg.shard_size, self.n_records)[1]
 
     def _submit(self):
         size = self.cfg.shard_size
@@ -278,8 +272,9 @@ class Dispatcher:
             if not self.scan_done:
                 self.spool.flush()            # the shard's last samples may still be buffered
             i = self._pick_worker()
-            unit = Unit(self.writer.directory, self.writer.shard_tag, j, sample_start=j * size,
-                        sample_end=min((j + 1) * size, self.n_records), samples=unit_samples(self.reader, j, size))
+            lo, hi = shard_range(j, size, self.n_records)
+            unit = Unit(self.writer.directory, self.writer.shard_tag, j, sample_start=lo, sample_end=hi,
+                        samples=unit_samples(self.reader, j, size))
             self.pending[self.workers[i].run.remote(unit)] = (i, j)
             if self._t0 is None:
                 self._t0 = time.perf_counter()
@@ -317,16 +312,15 @@ class Dispatcher:
                 self.held.append(res)
 
     def _commit(self, res):
-        self.writer.commit(res["info"])
+        self.writer.commit(res["shard"])
         self._mark("first_commit_s")
         st = self.stats
         st.tokens += res["tokens"]
         st.teacher_s += res["teacher_s"]
         if self.bar is not None:
-            self.bar.update(res["info"]["num_samples"])
+            self.bar.update(res["shard"].entry.num_samples)
             self.bar.set_postfix(tok_s=f"{st.tokens / (time.perf_counter() - self._t0):,.0f}",
-                                 shards=f"{len(self.writer.manifest['shards'])}/"
-                                        f"{self.writer.manifest['num_shards_planned']}")
+                                 shards=f"{len(self.writer.manifest.shards)}/{self.writer.manifest.num_shards_planned}")
 
     def _safe(self):
         return f"The {len(self.writer.done_indices())} shards committed so far are safe"

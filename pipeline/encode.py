@@ -77,33 +77,35 @@ def document_end_id(tok, name="auto"):
 
 
 class Encoder:
-    def __init__(self, tok, *, template="auto", max_length=2048, overlong="truncate", eos_ids=(), mode="score",
+    """Dataset examples -> Samples of token ids: encode() a whole sequence and its trained positions (score mode),
+    encode_prompt() the prompt alone (generate mode). turn_ends: the ids that end a turn (default: the template's
+    and the tokenizer's, end_of_turn_ids); the tokenizer's own EOS (self.eos) ends --template raw turns."""
+
+    def __init__(self, tok, *, template="auto", max_length=2048, overlong="truncate", turn_ends=(),
                  drop_end_of_turn=False, text_end=None):
         self.tok = tok
         self.has_template = bool(getattr(tok, "chat_template", None))
         if template == "chat" and not self.has_template:
             raise ConfigError("template: 'chat' but the tokenizer has no chat_template; use --template raw")
         self.template = ("chat" if self.has_template else "raw") if template == "auto" else template
-        self.max_length, self.overlong, self.mode = max_length, overlong, mode
-        self.eos_ids = set(eos_ids) or set(end_of_turn_ids(tok))
-        self.eos = int(tok.eos_token_id) if tok.eos_token_id is not None else min(self.eos_ids)
+        self.max_length, self.overlong = max_length, overlong
+        self.turn_ends = set(turn_ends) or set(end_of_turn_ids(tok))
+        self.eos = int(tok.eos_token_id) if tok.eos_token_id is not None else min(self.turn_ends)
         self.text_end = document_end_id(tok) if text_end is None else int(text_end)
         self.drop_end_of_turn = drop_end_of_turn   # the bug other tools shipped; control experiments only
 
     # -- score mode: whole sequence plus trained spans ---------------------------------
     def encode(self, ex: Example, sample_id: int = 0) -> Sample:
-        if self.mode == "generate":
-            return self.encode_prompt(ex, sample_id)
         if ex.kind in ("chat", "pair"):
             msgs = ex.messages or [{"role": "user", "content": ex.prompt},
                                    {"role": "assistant", "content": ex.completion}]
-            ids, spans = chat_spans(self.tok, msgs, self.eos_ids) if self.template == "chat" else self._raw_chat(msgs)
+            ids, spans = chat_spans(self.tok, msgs, self.turn_ends) if self.template == "chat" else self._raw_chat(msgs)
         else:  # text: every token is a target; the document end appended so the end of a document is learned
             ids = self.tok(ex.text, add_special_tokens=True)["input_ids"] + [self.text_end]
             spans = [(1, len(ids))]
         positions = span_positions(spans)
         if self.drop_end_of_turn:
-            positions = positions[~np.isin(np.asarray(ids)[positions + 1], list(self.eos_ids))]
+            positions = positions[~np.isin(np.asarray(ids)[positions + 1], list(self.turn_ends))]
         return self._limit(sample_id, ids, positions)
 
     def _limit(self, sample_id, ids, positions):

@@ -28,14 +28,14 @@ def save_reports(cfg, skipped):
 def summary(cfg, writer, skipped, t_start, stats, shards_at_start):
     """The job's figures: written to report/summary.json, printed, returned."""
     m = writer.manifest
-    c = m["counts"]
+    c = m.counts
     wall = time.time() - t_start
     s = {
-        "cache": cfg.out, "complete": m["complete"], "shards": f"{len(m['shards'])}/{m['num_shards_planned']}",
-        "shards_this_run": len(m["shards"]) - shards_at_start,
-        "records": m["meta"]["records"], "samples_written": c["samples"],
+        "cache": cfg.out, "complete": m.complete, "shards": f"{len(m.shards)}/{m.num_shards_planned}",
+        "shards_this_run": len(m.shards) - shards_at_start,
+        "records": m.meta["records"], "samples_written": c["samples"],
         "skipped": dict(Counter(x["reason"] for x in skipped)),
-        "truncated": sum(x.get("num_truncated", 0) for x in m["shards"]),
+        "truncated": sum(x.num_truncated or 0 for x in m.shards),
         "tokens": c["tokens"], "positions": c["positions"], "bytes": c["bytes"],
         "bytes_per_position": round(c["bytes"] / c["positions"], 1) if c["positions"] else None,
         "wall_s": round(wall, 1), "tokens_this_run": stats.tokens,
@@ -54,10 +54,10 @@ def summary(cfg, writer, skipped, t_start, stats, shards_at_start):
 
 
 def reused_summary(cfg, m, t_start):
-    c = m["counts"]
-    s = {"cache": cfg.out, "complete": True, "reused": True, "shards": f"{len(m['shards'])}/{len(m['shards'])}",
-         "shards_this_run": 0, "records": m["meta"].get("records"), "samples_written": c["samples"],
-         "skipped": m["meta"].get("skipped", {}), "tokens": c["tokens"], "positions": c["positions"],
+    c = m.counts
+    s = {"cache": cfg.out, "complete": True, "reused": True, "shards": f"{len(m.shards)}/{len(m.shards)}",
+         "shards_this_run": 0, "records": m.meta.get("records"), "samples_written": c["samples"],
+         "skipped": m.meta.get("skipped", {}), "tokens": c["tokens"], "positions": c["positions"],
          "bytes": c["bytes"], "wall_s": round(time.time() - t_start, 1), "tokens_this_run": 0,
          "teacher_s": 0.0, "resumed": False}
     print(f"\nprecompute summary\n  {'cache':<16} {cfg.out} (complete, reused)\n"

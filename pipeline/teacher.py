@@ -61,7 +61,7 @@ class Teacher(Protocol):
         """
 
     def generate(self, prompts: list[np.ndarray], *, max_new_tokens: list[int], temperature: float,
-                 top_p: float, seeds: list[int], eos_ids: set[int]) -> list[tuple[list[int], bool]]:
+                 top_p: float, seeds: list[int], turn_ends: set[int]) -> list[tuple[list[int], bool]]:
         """One sampled completion per prompt (per-prompt budget and seed), stopping at an end-of-turn id.
 
         Returns, per prompt, (new token ids, ended with an end-of-turn id).
@@ -119,11 +119,6 @@ def choose_backend(name, teacher=None):
     if vllm:
         return "vllm", "vLLM is the only backend that imports here"
     raise ConfigError("backend: no teacher backend imports here (tried vllm, hf); install vllm or transformers")
-
-
-def pick_backend(name, teacher=None):
-    """The backend choose_backend picks (a named one is kept)."""
-    return choose_backend(name, teacher)[0]
 
 
 def make_teacher(name, model_path, **kwargs) -> Teacher:

@@ -56,7 +56,7 @@ class HFTeacher:
         return out
 
     @torch.no_grad()
-    def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, eos_ids):
+    def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, turn_ends):
         """See pipeline.teacher.Teacher.generate."""
         results = []
         g = torch.Generator(device=self.device)
@@ -70,10 +70,10 @@ class HFTeacher:
                 logits = o.logits[0, -1].float()
                 tok = _sample(logits, temperature, top_p, g)
                 new.append(tok)
-                if tok in eos_ids:
+                if tok in turn_ends:
                     break
                 x = torch.tensor([[tok]], device=self.device)
-            results.append((new, bool(new) and new[-1] in eos_ids))
+            results.append((new, bool(new) and new[-1] in turn_ends))
         return results
 
 

@@ -210,19 +210,19 @@ class ServedTeacher:
         """See pipeline.teacher.Teacher.score: one Scored per sequence, one request per sequence."""
         return self._map(lambda s, p: self._score_one(np.asarray(s), np.asarray(p), k), seqs, positions)
 
-    def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, eos_ids):
+    def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, turn_ends):
         """See pipeline.teacher.Teacher.generate: stops at the job's end-of-turn ids, returns the new ids as the
         server reports them (token ids, never re-tokenized text)."""
-        stop = sorted(int(t) for t in eos_ids)
+        stop = sorted(int(t) for t in turn_ends)
         return self._map(lambda p, n_seed: self._generate_one(np.asarray(p), *n_seed, temperature, top_p, stop,
                                                               set(stop)),
                          prompts, list(zip(max_new_tokens, seeds)))
 
-    def generate_scored(self, prompts, *, k, max_new_tokens, temperature, top_p, seeds, eos_ids):
+    def generate_scored(self, prompts, *, k, max_new_tokens, temperature, top_p, seeds, turn_ends):
         """generate() and the top-k at each generated step from the same request (`logprobs` k): one request per
         prompt, where generate-then-score takes two. Returns [(new ids, ended, Scored)]. The step log-probs are
         the model's own (vllm serve's default --logprobs-mode raw_logprobs: before temperature and top-p)."""
-        stop = sorted(int(t) for t in eos_ids)
+        stop = sorted(int(t) for t in turn_ends)
         return self._map(lambda p, n_seed: self._generate_one(np.asarray(p), *n_seed, temperature, top_p, stop,
                                                               set(stop), k=k),
                          prompts, list(zip(max_new_tokens, seeds)))

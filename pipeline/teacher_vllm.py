@@ -39,20 +39,20 @@ class VLLMTeacher:
             out.append(_topk_from_flat(o.prompt_logprobs, rows, np.asarray(s, dtype=np.int64)[rows], k))
         return out
 
-    def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, eos_ids):
+    def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, turn_ends):
         """See pipeline.teacher.Teacher.generate (generate_scored with the scores dropped)."""
         return [(new, ended) for new, ended, _ in self.generate_scored(
             prompts, k=1, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seeds=seeds,
-            eos_ids=eos_ids)]
+            turn_ends=turn_ends)]
 
-    def generate_scored(self, prompts, *, k, max_new_tokens, temperature, top_p, seeds, eos_ids):
+    def generate_scored(self, prompts, *, k, max_new_tokens, temperature, top_p, seeds, turn_ends):
         """generate() with each generated step's top-k from the same pass (`logprobs` k, the model's raw
         log-probs: vLLM's default logprobs_mode): one engine pass instead of a generation and a scoring pass.
         Returns [(new ids, ended, Scored)]; a prompt with no budget gets ([], False, no rows)."""
         from vllm import SamplingParams
         todo = [i for i, n in enumerate(max_new_tokens) if int(n) >= 1]
         params = [SamplingParams(max_tokens=int(max_new_tokens[i]), temperature=temperature, top_p=top_p,
-                                 seed=int(seeds[i]), stop_token_ids=[int(t) for t in eos_ids], detokenize=False,
+                                 seed=int(seeds[i]), stop_token_ids=[int(t) for t in turn_ends], detokenize=False,
                                  logprobs=k, flat_logprobs=True) for i in todo]
         outs = self.llm.generate(_prompts([prompts[i] for i in todo]), params, use_tqdm=False) if todo else []
         res = [([], False, Scored(np.empty((0, k), np.int32), np.empty((0, k), np.float32),
@@ -64,7 +64,7 @@ class VLLMTeacher:
                 raise RuntimeError(f"vLLM returned logprobs for {len(flat.start_indices)} generated steps, "
                                    f"expected {len(new)}")
             # entry j: the generated token (any rank), then ranks 1..k, as for a prompt token
-            res[i] = (new, bool(new) and new[-1] in eos_ids,
+            res[i] = (new, bool(new) and new[-1] in turn_ends,
                       _topk_from_flat(flat, np.arange(len(new)), np.asarray(new, dtype=np.int64), k))
         return res
 

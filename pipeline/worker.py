@@ -6,7 +6,7 @@ given. It returns the shard's manifest entry; the driver commits it.
 import time
 from dataclasses import dataclass
 
-from kdcache.cache_format import Record, write_shard_file
+from kdcache.cache_format import Record, Storage, write_shard_file
 
 from .encode import Sample, with_completion
 from .teacher import SampleFailed, make_teacher
@@ -18,8 +18,9 @@ class WorkerSpec:
     teacher_backend: str     # a key of pipeline.teacher.TEACHERS
     model_path: str
     teacher_kwargs: dict     # the Teacher's constructor keywords
-    shard_kwargs: dict       # write_shard_file's format keywords: backend, top_k, vocab_size, logprob_dtype, codec
-    generate: dict | None    # generate mode: max_new_tokens, temperature, top_p, seed, eos_ids, max_length
+    storage: Storage         # the cache's storage settings (its CacheWriter's: a shard written otherwise is refused)
+    vocab_size: int          # the teacher's: every stored id lies below it
+    generate: dict | None    # generate mode: max_new_tokens, temperature, top_p, seed, turn_ends, max_length
 
 
 @dataclass
@@ -36,7 +37,7 @@ class Unit:
 class TeacherWorker:
     def __init__(self, spec: WorkerSpec | None = None):
         """With a spec, load the teacher now (ready() then says it is loaded). Without one: an actor started before
-        the job was settled (pipeline.dispatch.prestart), which imports what every local teacher backend needs
+        the job was settled (pipeline.dispatch.prestart_workers), which imports what every local teacher backend needs
         (torch, transformers) while the driver settles the job, and loads the teacher when load(spec) comes."""
         self.spec = self.teacher = None
         if spec is not None:
@@ -54,10 +55,10 @@ class TeacherWorker:
         return True
 
     def run(self, unit: Unit):
-        """Score the unit's samples and write its shard. Returns {info, teacher_s, tokens}."""
+        """Score the unit's samples and write its shard. Returns {shard (a WrittenShard), teacher_s, tokens}."""
         t0 = time.perf_counter()
         samples = unit.samples
-        k = self.spec.shard_kwargs["top_k"]
+        k = self.spec.storage.top_k
         try:
             if self.spec.generate and samples:
                 samples, scored = self._generate(samples, k)
@@ -69,9 +70,10 @@ class TeacherWorker:
         records = [Record(s.sample_id, s.input_ids, s.positions, sc.ids, sc.logprobs, truncated=s.truncated,
                           target_logprobs=sc.target_logprobs) for s, sc in zip(samples, scored)]
         teacher_s = time.perf_counter() - t0
-        info = write_shard_file(unit.directory, unit.index, records, sample_start=unit.sample_start,
-                                sample_end=unit.sample_end, tag=unit.shard_tag, **self.spec.shard_kwargs)
-        return {"info": info, "teacher_s": teacher_s, "tokens": int(sum(len(s.input_ids) for s in samples))}
+        shard = write_shard_file(unit.directory, unit.index, records, storage=self.spec.storage,
+                                 vocab_size=self.spec.vocab_size, sample_start=unit.sample_start,
+                                 sample_end=unit.sample_end, tag=unit.shard_tag)
+        return {"shard": shard, "teacher_s": teacher_s, "tokens": int(sum(len(s.input_ids) for s in samples))}
 
     def _generate(self, samples: list[Sample], k: int):
         """Prompts -> (prompt + teacher completion samples (see encode.with_completion), their Scored): in one
@@ -80,7 +82,7 @@ class TeacherWorker:
         prompts = [s.input_ids for s in samples]
         args = dict(max_new_tokens=[min(g["max_new_tokens"], g["max_length"] - len(p)) for p in prompts],
                     temperature=g["temperature"], top_p=g["top_p"], seeds=[g["seed"] + s.sample_id for s in samples],
-                    eos_ids=set(g["eos_ids"]))
+                    turn_ends=set(g["turn_ends"]))
         if hasattr(self.teacher, "generate_scored"):
             out = self.teacher.generate_scored(prompts, k=k, **args)
             return [with_completion(s, new, ended) for s, (new, ended, _) in zip(samples, out)], [o[2] for o in out]

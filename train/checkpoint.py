@@ -53,11 +53,6 @@ def _checkpoints(out):
     return sorted(found)
 
 
-def complete_checkpoints(out):
-    """[(step, path)] of complete checkpoints of every run, oldest first."""
-    return [(step, path) for step, path, _run in _checkpoints(out)]
-
-
 def run_checkpoints(out):
     """[(step, path)] of the current run's complete checkpoints, oldest first."""
     run_id = read_run_id(out)
@@ -156,12 +151,12 @@ def set_rng_state(st):
         torch.cuda.set_rng_state_all([torch.tensor(x, dtype=torch.uint8) for x in states])
 
 
-def check_plan(path, plan):
+def check_order(path, order):
     """Refuse to resume from `path` if its reader positions mean other samples here: another cache, another
     shard list, another world size, seed or shuffle (the saved positions would skip or repeat samples)."""
     meta = json.load(open(os.path.join(path, "complete.json")))
     saved = dict(meta.get("data", {}), world_size=meta["world_size"])   # checkpoints before 'data': ranks only
-    differ = [f"{k}: {saved[k]!r} in the checkpoint, {plan[k]!r} now" for k in sorted(saved) if saved[k] != plan[k]]
+    differ = [f"{k}: {saved[k]!r} in the checkpoint, {order[k]!r} now" for k in sorted(saved) if saved[k] != order[k]]
     if not differ:
         return
     hint = (f"relaunch with {saved['world_size']} rank(s) (--nproc-per-node {saved['world_size']})"
@@ -170,8 +165,8 @@ def check_plan(path, plan):
     raise TrainDataError(f"{path} cannot be resumed by this run: " + "; ".join(differ) + f". To go on, {hint}.")
 
 
-def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, keep, plan):
-    """Save on every rank (collective), then commit on rank 0. plan: what the reader positions mean."""
+def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, keep, order):
+    """Save on every rank (collective), then commit on rank 0. order: what the reader positions refer to."""
     tmp = os.path.join(out, CKPT_DIR, f".tmp-step-{step:08d}")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)      # left by a crash during an earlier save
@@ -189,7 +184,7 @@ def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, k
             run_id = read_run_id(out)
         fsync_tree(tmp)
         atomic_write_bytes(os.path.join(tmp, "complete.json"),
-                           json.dumps({"step": step, "world_size": world, "data": plan, "run_id": run_id}).encode())
+                           json.dumps({"step": step, "world_size": world, "data": order, "run_id": run_id}).encode())
         final = step_dir(out, step)
         if os.path.exists(final):
             shutil.rmtree(final)

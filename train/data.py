@@ -12,6 +12,7 @@ checkpoint, so a resumed run continues with exactly the next samples.
 """
 import queue
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,6 +20,41 @@ from kdcache.cache_format import ShardError, hash_json, open_cache
 from kdcache.cache_format.reader import READ_AHEAD
 from kdcache.common.batching import budget_groups
 from kdcache.common.errors import TrainDataError
+
+
+@dataclass(frozen=True)
+class StreamPosition:
+    """Where a stream stands: the next sample is row `row_cursor` of segment `shard_cursor` (a shard's part of this
+    rank's span, see CacheStream.segments) of epoch `epoch`'s order. Saved in every checkpoint under these keys."""
+    epoch: int = 0
+    shard_cursor: int = 0
+    row_cursor: int = 0
+
+    def to_dict(self) -> dict:
+        return {"epoch": self.epoch, "shard_cursor": self.shard_cursor, "row_cursor": self.row_cursor}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StreamPosition":
+        return cls(int(d["epoch"]), int(d["shard_cursor"]), int(d["row_cursor"]))
+
+    def after_row(self, row: int, n_rows: int, n_segments: int) -> "StreamPosition":
+        """The position after row `row` (of n_rows) of this segment: the next row, segment, or epoch."""
+        if row + 1 < n_rows:
+            return StreamPosition(self.epoch, self.shard_cursor, row + 1)
+        if self.shard_cursor + 1 < n_segments:
+            return StreamPosition(self.epoch, self.shard_cursor + 1, 0)
+        return StreamPosition(self.epoch + 1, 0, 0)
+
+
+@dataclass
+class LoadedShard:
+    """One segment, decoded by the loader thread: its place in the order, its records and the rows to read."""
+    epoch: int
+    segment: int          # its index in the epoch's list of segments
+    n_segments: int
+    records: list         # [Record], the whole shard ([] when damaged)
+    rows: np.ndarray      # the rows of this rank's span, in reading order
+    damaged: bool = False
 
 
 class CacheStream:
@@ -33,7 +69,7 @@ class CacheStream:
                                  "needs at least one per epoch)")
         self.rank, self.world, self.seed, self.shuffle, self.part = rank, world, seed, shuffle, part
         self.batch_size, self.max_tokens, self.prefetch, self.epochs = batch_size, max_tokens, prefetch, epochs
-        self.state = {"epoch": 0, "shard_cursor": 0, "row_cursor": 0}
+        self.position = StreamPosition()
         self.skip_damaged = skip_damaged
         self.readahead = readahead   # shards a remote cache downloads ahead of the decoder
         self.damaged = {}          # shard path -> samples skipped because its checksum failed
@@ -47,7 +83,7 @@ class CacheStream:
         lo, hi = self.span()
         out, start = [], 0
         for j in order:
-            size = self.cache.shards[j]["num_samples"]
+            size = self.cache.shards[j].num_samples
             a, b = max(lo, start), min(hi, start + size)
             if a < b:
                 out.append((int(j), self.rows_for(epoch, j)[a - start:b - start]))
@@ -60,18 +96,18 @@ class CacheStream:
         return self.rank * total // self.world, (self.rank + 1) * total // self.world
 
     def rows_for(self, epoch, j):
-        n = self.cache.shards[j]["num_samples"]
+        n = self.cache.shards[j].num_samples
         if not self.shuffle:
             return np.arange(n)
-        return np.random.default_rng([self.seed, epoch, self.cache.shards[j]["index"]]).permutation(n)
+        return np.random.default_rng([self.seed, epoch, self.cache.shards[j].index]).permutation(n)
 
-    def plan(self):
-        """What a saved position means: the cache (fingerprint and committed shards) and the order's settings.
-        A resume under another plan would skip or repeat samples, so checkpoints record it."""
+    def order(self):
+        """What a saved position refers to: the cache (fingerprint and committed shards) and the order's settings.
+        A resume under another order would skip or repeat samples, so checkpoints record it."""
         m = self.cache.manifest
-        return {"cache_fingerprint": m["fingerprint"],
-                "shards_sha256": hash_json([[s["index"], s["sha256"]] for s in m["shards"]]),
-                "num_shards": len(m["shards"]), "world_size": self.world, "seed": self.seed,
+        return {"cache_fingerprint": m.fingerprint,
+                "shards_sha256": hash_json([[s.index, s.sha256] for s in m.shards]),
+                "num_shards": len(m.shards), "world_size": self.world, "seed": self.seed,
                 "shuffle": self.shuffle, "split": "sample-spans"}
 
     def samples_per_epoch(self):
@@ -79,48 +115,48 @@ class CacheStream:
         return hi - lo
 
     # -- resumable position ----------------------------------------------------------
-    def state_dict(self):
-        return dict(self.state)
+    def state_dict(self) -> dict:
+        return self.position.to_dict()
 
-    def load_state_dict(self, state):
-        self.state = {k: int(state[k]) for k in ("epoch", "shard_cursor", "row_cursor")}
+    def load_state_dict(self, state: dict):
+        self.position = StreamPosition.from_dict(state)
 
     # -- streaming -------------------------------------------------------------------
-    def _shard_loader(self, start, out):
-        """Background thread: decode shards in stream order into `out` (bounded queue)."""
-        epoch, cursor = start
+    def _shard_loader(self, start: StreamPosition, out):
+        """Background thread: decode shards in stream order into `out` (bounded queue): LoadedShard items, then
+        None at the end, or the exception that stopped it."""
+        epoch, cursor = start.epoch, start.shard_cursor
         try:
-            plan = self.segments(epoch)
+            segs = self.segments(epoch)
             while self.epochs is None or epoch < self.epochs:
                 following = self.segments(epoch + 1)
-                for c in range(cursor, len(plan)):
-                    ahead = [j for j, _ in (plan + following)[c:c + 1 + self.readahead]]   # into the next epoch
+                for c in range(cursor, len(segs)):
+                    ahead = [j for j, _ in (segs + following)[c:c + 1 + self.readahead]]   # into the next epoch
                     self.cache.prefetch(ahead)
-                    j, rows = plan[c]
-                    if not self._sound(j, len(rows)):
-                        out.put(("damaged", epoch, c, len(plan), [], rows))
-                        continue
-                    out.put(("shard", epoch, c, len(plan), list(self.cache.iter_shard(j)), rows))
-                epoch, cursor, plan = epoch + 1, 0, following
-            out.put(("end",))
+                    j, rows = segs[c]
+                    sound = self._sound(j, len(rows))
+                    out.put(LoadedShard(epoch, c, len(segs), list(self.cache.iter_shard(j)) if sound else [], rows,
+                                        damaged=not sound))
+                epoch, cursor, segs = epoch + 1, 0, following
+            out.put(None)
         except BaseException as e:  # surface reader errors in the trainer thread
-            out.put(("error", e))
+            out.put(e)
 
     def _sound(self, j, n_rows):
         """Checksum a shard before its first use: a damaged shard fails the run, or is skipped and its
         n_rows samples of this rank's span are counted."""
         if j in self._verified:
             return True
-        info = self.cache.shards[j]
+        entry = self.cache.shards[j]
         try:
             self.cache.checked_path(j)
             self._verified.add(j)
             return True
         except ShardError as e:
             if not self.skip_damaged:
-                raise ShardError(f"{e} ({info['num_samples']} samples). Run `kdcache verify {self.cache.directory}`; "
+                raise ShardError(f"{e} ({entry.num_samples} samples). Run `kdcache verify {self.cache.directory}`; "
                                  "pass --skip-damaged-shards to train on the rest.") from e
-        self.damaged[info["path"]] = n_rows          # this epoch's share of it
+        self.damaged[entry.path] = n_rows          # this epoch's share of it
         return False
 
     def close(self):
@@ -128,32 +164,27 @@ class CacheStream:
         self.cache.close()
 
     def samples(self):
-        """Yield (record, state after it) from the saved position onward."""
-        st = self.state
+        """Yield (record, StreamPosition after it) from the saved position onward."""
+        start = self.position
         q = queue.Queue(maxsize=self.prefetch)
-        threading.Thread(target=self._shard_loader, args=((st["epoch"], st["shard_cursor"]), q), daemon=True).start()
+        threading.Thread(target=self._shard_loader, args=(start, q), daemon=True).start()
         first = True
         while True:
             item = q.get()
-            if item[0] == "end":
+            if item is None:
                 return
-            if item[0] == "error":
-                raise item[1]
-            kind, epoch, c, n_plan, recs, rows = item
-            if kind == "damaged":
-                first = False
-                continue
-            start = st["row_cursor"] if first else 0
+            if isinstance(item, BaseException):
+                raise item
+            begin = start.row_cursor if first else 0
             first = False
-            for r in range(start, len(rows)):
-                nxt = {"epoch": epoch, "shard_cursor": c, "row_cursor": r + 1}
-                if r + 1 == len(rows):
-                    nxt = {"epoch": epoch + 1, "shard_cursor": 0, "row_cursor": 0} if c + 1 == n_plan \
-                        else {"epoch": epoch, "shard_cursor": c + 1, "row_cursor": 0}
-                yield recs[rows[r]], nxt
+            if item.damaged:
+                continue
+            here = StreamPosition(item.epoch, item.segment, 0)
+            for r in range(begin, len(item.rows)):
+                yield item.records[item.rows[r]], here.after_row(r, len(item.rows), item.n_segments)
 
     def batches(self):
-        """Yield (list of records, state after the batch): batch_size samples, or fewer under max_tokens."""
+        """Yield (list of records, StreamPosition after the batch): batch_size samples, or fewer under max_tokens."""
         for group in budget_groups(self.samples(), lambda item: len(item[0].input_ids), max_tokens=self.max_tokens,
                                    max_items=self.batch_size):
             yield [rec for rec, _ in group], group[-1][1]

@@ -1,7 +1,7 @@
 """kdcache.CacheDataset: a cache as a torch IterableDataset, for Hugging Face Trainer, TRL or any loop."""
 import torch
 
-from .data import CacheStream
+from .data import CacheStream, StreamPosition
 
 
 class CacheDataset(torch.utils.data.IterableDataset):
@@ -19,7 +19,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
         self.path = getattr(cache, "directory", None) or str(cache)      # a Cache, a path or a URL
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
         self.epochs, self.prefetch = epochs, prefetch
-        self._state = {"epoch": 0, "shard_cursor": 0, "row_cursor": 0}
+        self._position = StreamPosition()
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -27,17 +27,17 @@ class CacheDataset(torch.utils.data.IterableDataset):
         stream = CacheStream(self.path, rank=self.rank, world=self.world_size, seed=self.seed, shuffle=self.shuffle,
                              epochs=self.epochs, prefetch=self.prefetch, part=part)
         if info is None:
-            stream.load_state_dict(self._state)
+            stream.position = self._position
         try:
-            for record, state in stream.samples():
+            for record, position in stream.samples():
                 if info is None:
-                    self._state = state
+                    self._position = position
                 yield record
         finally:
             stream.close()
 
-    def state_dict(self):
-        return dict(self._state)
+    def state_dict(self) -> dict:
+        return self._position.to_dict()
 
-    def load_state_dict(self, state):
-        self._state = {k: int(state[k]) for k in ("epoch", "shard_cursor", "row_cursor")}
+    def load_state_dict(self, state: dict):
+        self._position = StreamPosition.from_dict(state)

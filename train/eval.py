@@ -1,11 +1,12 @@
 """`kdcache eval`: teacher and students side by side on held-out chats, with a report a person can read.
 
 For each model: greedy generation on every held-out prompt -> how often it ends
-with the end-of-turn token before the length limit, exact match and label F1
-against the reference answer (answers read as comma-separated label sets),
-mean/max generated length; and teacher-forced per-token KL(reference || model)
-on the reference completions, end-of-turn included. Writes OUT/report.md,
-OUT/eval.json and PNGs (generated lengths, loss curves).
+with the end-of-turn token before the length limit, exact match against the
+reference answer, mean/max generated length; and teacher-forced per-token
+KL(reference || model) on the reference completions, end-of-turn included.
+Task-independent: a task's own metric reads the answers from eval.json (the demo's
+label F1: kdcache.demo.task). Writes OUT/report.md, OUT/eval.json and PNGs
+(generated lengths, loss curves).
 """
 import argparse
 import json
@@ -34,20 +35,6 @@ def load_heldout(path):
                 raise DataError(f"{path}:{n}: eval needs chat records whose last message is the assistant's answer")
             rows.append(msgs)
     return rows
-
-
-def labels(text):
-    return {p.strip().lower() for p in text.split(",") if p.strip()}
-
-
-def f1(pred, ref):
-    if not pred and not ref:
-        return 1.0
-    tp = len(pred & ref)
-    if tp == 0:
-        return 0.0
-    p, r = tp / len(pred), tp / len(ref)
-    return 2 * p * r / (p + r)
 
 
 @torch.no_grad()
@@ -104,18 +91,14 @@ def evaluate(models, data, reference=None, max_new_tokens=48, batch_size=64):
     results = {}
     for name, (model, tok) in loaded.items():
         gens = generate(model, tok, chats, max_new_tokens, batch_size)
-        stops = exact = f1_sum = 0
-        lengths = []
-        for (ids, ended), msgs in zip(gens, chats):
-            text = tok.decode(ids, skip_special_tokens=True).strip()
-            ref = msgs[-1]["content"].strip()
-            stops += ended
-            exact += ended and text == ref
-            f1_sum += f1(labels(text), labels(ref))
-            lengths.append(len(ids))
+        answers = [tok.decode(ids, skip_special_tokens=True).strip() for ids, _ in gens]
+        stops = sum(ended for _, ended in gens)
+        refs = [msgs[-1]["content"].strip() for msgs in chats]
+        exact = sum(ended and text == ref for (_, ended), text, ref in zip(gens, answers, refs))
+        lengths = [len(ids) for ids, _ in gens]
         res = {"prompts": len(chats), "stop_rate": stops / len(chats), "exact_match": exact / len(chats),
-               "label_f1": f1_sum / len(chats), "mean_length": sum(lengths) / len(lengths),
-               "max_length": max(lengths), "length_limit": max_new_tokens, "lengths": lengths,
+               "mean_length": sum(lengths) / len(lengths), "max_length": max(lengths),
+               "length_limit": max_new_tokens, "lengths": lengths, "answers": answers,
                "examples": [tok.decode(g[0]) for g in gens[:3]]}
         if reference and name != reference:
             res["kl_from_reference"] = mean_kl(loaded[reference][0], model, tok, chats)
@@ -156,14 +139,14 @@ def write_report(results, out, runs=None, reference=None, title="kdcache eval", 
         plt.close(fig)
         pictures.append("loss_curves.png")
 
-    header = ["model", "ends with end-of-turn", "exact match", "label F1", "mean length", "max length",
+    header = ["model", "ends with end-of-turn", "exact match", "mean length", "max length",
               f"KL({reference} ‖ model) per token" if reference else "KL"]
     lines = [f"# {title}", "", *([note, ""] if note else []), "| " + " | ".join(header) + " |",
              "|" + "---|" * len(header)]
     for name in names:
         r = results[name]
         kl = f"{r['kl_from_reference']:.4f}" if "kl_from_reference" in r else "—"
-        lines.append(f"| {name} | {r['stop_rate']:.1%} | {r['exact_match']:.1%} | {r['label_f1']:.3f} | "
+        lines.append(f"| {name} | {r['stop_rate']:.1%} | {r['exact_match']:.1%} | "
                      f"{r['mean_length']:.1f} | {r['max_length']} / {r['length_limit']} | {kl} |")
     lines += ["", f"{results[names[0]]['prompts']} held-out prompts, greedy decoding, "
               f"limit {limit} new tokens.", ""]
@@ -181,10 +164,10 @@ def write_report(results, out, runs=None, reference=None, title="kdcache eval", 
 
 
 def print_table(results):
-    print(f"\n{'model':<16}{'stops':>8}{'exact':>8}{'F1':>8}{'mean len':>10}{'max len':>9}{'KL/token':>10}")
+    print(f"\n{'model':<16}{'stops':>8}{'exact':>8}{'mean len':>10}{'max len':>9}{'KL/token':>10}")
     for name, r in results.items():
         kl = f"{r['kl_from_reference']:.4f}" if "kl_from_reference" in r else "—"
-        print(f"{name:<16}{r['stop_rate']:>8.1%}{r['exact_match']:>8.1%}{r['label_f1']:>8.3f}"
+        print(f"{name:<16}{r['stop_rate']:>8.1%}{r['exact_match']:>8.1%}"
               f"{r['mean_length']:>10.1f}{r['max_length']:>9}{kl:>10}")
 
 

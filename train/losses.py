@@ -160,26 +160,21 @@ def _buckets(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, ta
 
 
 def gkd_per_position(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, tail_mass: Tensor,
-                     cfg: LossConfig) -> Tensor:
+                     cfg: LossConfig, logp: Tensor | None = None) -> Tensor:
     """KD loss per position, [N] float32, including the tau^2 factor (Hinton et al. 2015).
 
-    student_logits [N, V]; topk_ids [N, k] (-1 = masked); topk_logprobs [N, k] sorted descending; tail_mass [N].
-    Rows with no bucket at all (renorm mode, every entry masked) give 0.
+    student_logits [N, V]; topk_ids [N, k] (-1 = masked); topk_logprobs [N, k] sorted descending; tail_mass [N];
+    logp: the student's log-softmax at temperature 1 where the caller has it. Rows with no bucket at all
+    (renorm mode, every entry masked) give 0.
     """
-    log_t, log_s, valid = _buckets(student_logits, topk_ids, topk_logprobs, tail_mass, cfg)
+    log_t, log_s, valid = _buckets(student_logits, topk_ids, topk_logprobs, tail_mass, cfg, logp=logp)
     return _generalized_jsd(log_t, log_s, valid, cfg.beta) * cfg.temperature**2
-
-
-def sft_per_position(student_logits: Tensor, targets: Tensor) -> Tensor:
-    """Cross-entropy per position at temperature 1, [N, V] x [N] -> [N] float32 (targets == -100 give 0)."""
-    return F.cross_entropy(student_logits.float(), targets.long(), reduction="none")
 
 
 def _loss_sums(student_logits, topk_ids, topk_logprobs, tail_mass, targets, cfg) -> tuple[Tensor, Tensor, Tensor]:
     """(loss sum with grad, detached KD sum, detached CE sum), each 0-dim."""
     logp = _student_logp(student_logits)
-    log_t, log_s, valid = _buckets(student_logits, topk_ids, topk_logprobs, tail_mass, cfg, logp=logp)
-    kd = (_generalized_jsd(log_t, log_s, valid, cfg.beta) * cfg.temperature**2).sum()
+    kd = gkd_per_position(student_logits, topk_ids, topk_logprobs, tail_mass, cfg, logp=logp).sum()
     tgt = targets.long()
     # The KD log-softmax (temperature 1) is the CE one: gather instead of a second [N, V] pass.
     ce_terms = -logp.gather(1, tgt.clamp_min(0)[:, None]).squeeze(1).masked_fill(tgt < 0, 0.0)

@@ -1,6 +1,7 @@
 """The distillation recipe: setup -> loop -> save. Reads top to bottom.
 
-Launch: `kdcache train --config FILE` (one process), or several processes with
+Launch: `kdcache train --config FILE` (one process), `kdcache train --nproc-per-node N ...` (N local ranks under
+kdcache's own launcher, train/launch.py, which never cuts a checkpoint short), or several processes with
 `deepspeed --num_gpus N -m kdcache train ...` / `torchrun --nproc_per_node N -m kdcache train ...`.
 """
 import contextlib
@@ -115,7 +116,7 @@ def setup(cfg):
               student_vocab=student_vocab, total_steps=total_steps)
     ckpt = checkpoint.resolve_resume(cfg.out, cfg.resume)     # engine, optimizer, scheduler, RNG, reader position
     if ckpt:
-        checkpoint.check_plan(ckpt, stream.plan())
+        checkpoint.check_order(ckpt, stream.order())
         client, reader_state = checkpoint.load(engine, ckpt, rank)
         run.step = int(client["step"])
         stream.load_state_dict(reader_state)
@@ -128,22 +129,22 @@ def setup(cfg):
 
 
 def next_window(run, batches, check_eos):
-    """grad_accum collated micro-batches and the reader state after them; None when any rank ran dry."""
-    cfg, window, state = run.cfg, [], None
+    """grad_accum collated micro-batches and the reader position after them; None when any rank ran dry."""
+    cfg, window, position = run.cfg, [], None
     for _ in range(cfg.grad_accum):
         nxt = next(batches, None)
         if nxt is None:
             break
-        records, state = nxt
+        records, position = nxt
         if check_eos and not window:
             check_records(records, set(run.stream.cache.eos_token_ids), cfg.require_eos, cfg.cache)
         window.append(collate(records, pad_id=run.pad_id, student_vocab=run.student_vocab,
                               pack_len=cfg.max_tokens if cfg.pack else 0))
     have, = all_reduce([1.0 if len(window) == cfg.grad_accum else 0.0], op="min")
-    return (window, state) if have else None
+    return (window, position) if have else None
 
 
-def optimizer_step(run, window, state):
+def optimizer_step(run, window, position):
     """Forward/backward every micro-batch of the window, step, advance the reader. Returns the metrics row."""
     engine = run.engine
     n_total, = all_reduce([float(sum(b.n_positions for b in window))])
@@ -160,7 +161,7 @@ def optimizer_step(run, window, state):
         sums = [sums[0] + float(loss_sum.detach()), sums[1] + parts["kd"], sums[2] + parts["sft"]]
     loss, kd, sft = (v / n_total for v in all_reduce(sums))
     run.step += 1
-    run.stream.load_state_dict(state)
+    run.stream.position = position
     now = time.perf_counter()
     tok_s, = all_reduce([sum(b.n_tokens for b in window) / max(now - run.t_last, 1e-9)])
     run.t_last = now
@@ -168,7 +169,7 @@ def optimizer_step(run, window, state):
         grad_norm = _grad_norm(engine)
     return {"step": run.step, "loss": loss, "kd": kd, "sft": sft, "positions": int(n_total),
             "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm, "tokens_per_s": round(tok_s, 1),
-            "epoch": run.stream.state["epoch"], "outside_vocab": sum(b.n_outside_vocab for b in window)}
+            "epoch": run.stream.position.epoch, "outside_vocab": sum(b.n_outside_vocab for b in window)}
 
 
 def finish(run, reason, resume_cmd):
@@ -246,15 +247,15 @@ def all_reduce(values, op="sum"):
     return t.tolist()
 
 
-def check_records(records, eos_ids, require_eos, cache_dir):
+def check_records(records, turn_ends, require_eos, cache_dir):
     """Every sample has trained positions; the end-of-turn target is among them (unless truncated)."""
     for rec in records:
         if len(rec.positions) == 0:
             raise TrainDataError(f"{cache_dir}: sample {rec.sample_id} has no trained positions")
-        if require_eos and lacks_end_of_turn(rec.targets, rec.truncated, eos_ids):
+        if require_eos and lacks_end_of_turn(rec.targets, rec.truncated, turn_ends):
             raise TrainDataError(
                 f"{cache_dir}: sample {rec.sample_id} has no position predicting an end-of-turn token "
-                f"{sorted(eos_ids)}; a student trained on this cache will not learn to stop. Pass --no-require-eos "
+                f"{sorted(turn_ends)}; a student trained on this cache will not learn to stop. Pass --no-require-eos "
                 "to train anyway.")
 
 
@@ -262,7 +263,7 @@ def save(run):
     import torch.distributed as dist
     checkpoint.save(run.engine, run.cfg.out, run.step, rank=run.rank, world=run.world,
                     client_state={"step": run.step}, rank_state=run.stream.state_dict(), barrier=dist.barrier,
-                    keep=run.cfg.keep_checkpoints, plan=run.stream.plan())
+                    keep=run.cfg.keep_checkpoints, order=run.stream.order())
 
 
 def stops_like_the_teacher(model, tok, manifest):

@@ -8,7 +8,7 @@ what to do. The cache's own errors (CacheError and below) are in kdcache.cache_f
     KdcacheError
     ├── ConfigError          a bad key or value in a config file or flag
     ├── DataError            the dataset cannot be read, or holds a malformed record under --on-bad-record fail
-    │   ├── BadRecord        one record cannot be parsed (the job counts it, lists it, or fails on it)
+    │   ├── BadRow        one record cannot be parsed (the job counts it, lists it, or fails on it)
     │   └── SkipSample       one record is valid but unusable under the job's policy (reason: a short key)
     ├── TokenizerMismatch    the student's tokenizer is not the one the cache's ids came from
     ├── TrainDataError       the cache or run directory cannot feed this training run (too few samples, ...)
@@ -30,7 +30,7 @@ class DataError(KdcacheError):
     """The dataset cannot be read, or holds a malformed record under on_bad_record=fail."""
 
 
-class BadRecord(DataError):
+class BadRow(DataError):
     """A record that cannot be parsed; the message says which field and why."""
 
 

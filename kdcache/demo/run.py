@@ -51,7 +51,7 @@ def build_data(root, p):
         return d
     os.makedirs(d, exist_ok=True)
     train, held = make_splits(p["n_train"], p["n_heldout"], seed=0)
-    write_jsonl(train, os.path.join(d, "kdcache.train.jsonl"))
+    write_jsonl(train, os.path.join(d, "train.jsonl"))
     write_jsonl(held, os.path.join(d, "heldout.jsonl"))
     say(f"task data: {len(train)} train, {len(held)} held-out chats in {d}")
     return d
@@ -65,7 +65,7 @@ def build_teacher(root, data_dir, p):
         return out
     from .task import corpus
     from .tokenizer import train_tokenizer
-    records = [json.loads(x) for x in open(os.path.join(data_dir, "kdcache.train.jsonl"))]
+    records = [json.loads(x) for x in open(os.path.join(data_dir, "train.jsonl"))]
     tok = train_tokenizer(list(corpus(records)), os.path.join(root, "tokenizer"), vocab_size=p["vocab"])
     say(f"tokenizer: {len(tok)} tokens, eos {tok.eos_token!r}; training the teacher ({p['teacher_steps']} steps)")
     t0 = time.time()
@@ -95,7 +95,7 @@ def student_config(root, teacher, p):
 
 def run_precompute(root, data_dir, teacher, p, control, teacher_backend):
     out = os.path.join(root, "cache_no_eos" if control else "cache")
-    args = ["precompute", "--teacher", teacher, "--data", os.path.join(data_dir, "kdcache.train.jsonl"), "--out", out,
+    args = ["precompute", "--teacher", teacher, "--data", os.path.join(data_dir, "train.jsonl"), "--out", out,
             "--top-k", p["top_k"], "--shard-size", p["shard_size"], "--backend", teacher_backend, "--max-length", 256,
             "--worker-cpus", 0.5]
     if control:
@@ -117,6 +117,23 @@ def run_train(root, cache, student_init, p, control):
         args.append("--no-require-eos")       # this cache lacks the end-of-turn positions on purpose
     kdcache(*args)
     return out
+
+
+def add_label_f1(report, heldout):
+    """The task's own metric beside `kdcache eval`'s: label F1 of each model's answers, into eval.json and
+    report.md. Returns eval.json's results with it."""
+    from .task import label_f1
+    path = os.path.join(report, "eval.json")
+    results = json.load(open(path))
+    for r in results.values():
+        r["label_f1"] = label_f1(r["answers"], heldout)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    rows = "\n".join(f"| {name} | {r['label_f1']:.3f} |" for name, r in results.items())
+    with open(os.path.join(report, "report.md"), "a") as f:
+        f.write(f"\n## The task: label F1\n\nAnswers read as comma-separated skill sets, against the reference.\n\n"
+                f"| model | label F1 |\n|---|---|\n{rows}\n")
+    return results
 
 
 def check_bars(results):
@@ -171,7 +188,7 @@ def main(argv=None):
         name = "student_no_eos" if c else "student"
         eval_args += ["--model", f"{name}={os.path.join(d, 'final')}", "--run", f"{name}={d}"]
     kdcache(*eval_args)
-    results = json.load(open(os.path.join(report, "eval.json")))
+    results = add_label_f1(report, os.path.join(data_dir, "heldout.jsonl"))
     say(f"done in {time.time() - t0:.0f} s; report: {os.path.join(report, 'report.md')}")
     if args.quick:
         return 0

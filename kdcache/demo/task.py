@@ -62,6 +62,27 @@ def write_jsonl(records, path):
             f.write(json.dumps(r) + "\n")
 
 
+def labels(text):
+    """An answer read as a set of comma-separated labels."""
+    return {p.strip().lower() for p in text.split(",") if p.strip()}
+
+
+def f1(pred, ref):
+    if not pred and not ref:
+        return 1.0
+    tp = len(pred & ref)
+    if tp == 0:
+        return 0.0
+    p, r = tp / len(pred), tp / len(ref)
+    return 2 * p * r / (p + r)
+
+
+def label_f1(answers, heldout_path):
+    """The task's metric: mean label F1 of `answers` (eval.json's, in order) against the held-out references."""
+    refs = [json.loads(line)["messages"][-1]["content"] for line in open(heldout_path) if line.strip()]
+    return sum(f1(labels(a), labels(r)) for a, r in zip(answers, refs, strict=True)) / len(refs)
+
+
 def corpus(records):
     """Plain texts for training a tokenizer."""
     for r in records:

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from kdcache.pipeline.data import parse_record
+from kdcache.pipeline.data import parse_row
 from kdcache.pipeline.encode import Encoder
 
 from .models import make_model, save
@@ -21,7 +21,7 @@ from .models import make_model, save
 
 def encode_sft(encoder, record):
     """(ids, labels): labels are -100 except at the targets precompute trains (the answer through <|im_end|>)."""
-    s = encoder.encode(parse_record(record))
+    s = encoder.encode(parse_row(record))
     labels = np.full(len(s.input_ids), -100, dtype=np.int64)
     labels[s.positions + 1] = s.input_ids[s.positions + 1]
     return s.input_ids.tolist(), labels.tolist()

@@ -1,12 +1,11 @@
 """Format 2's compact storage: adaptive k (top-p), sqrt8 log-probs, target log-probs, per-shard fidelity."""
-import json
 import shutil
 
 import numpy as np
 import pytest
 
 from kdcache.cache_format import compact, open_cache, write_cache
-from kdcache.cache_format.manifest import cache_stats
+from kdcache.cache_format.manifest import cache_stats, load_manifest
 from kdcache.cache_format.verify import verify_cache
 from tests.helpers.cli import ROOT, kdcache
 from tests.helpers.records import make_records, writer_kwargs
@@ -33,8 +32,8 @@ def as_dicts(ids, lps):
 @pytest.mark.parametrize("dtype,top_p", [("float16", None), ("float32", 0.9), ("sqrt8", None), ("sqrt8", 0.95)])
 def test_what_a_reader_gets_is_what_the_mode_promises(tmp_path, backend, dtype, top_p):
     recs = records_with_targets()
-    m = write_cache(tmp_path, recs, shard_size=10, **writer_kwargs(backend, k=K, vocab=V),
-                    logprob_dtype=dtype, top_p=top_p)
+    m = write_cache(tmp_path, recs, shard_size=10,
+                    **writer_kwargs(backend, k=K, vocab=V, logprob_dtype=dtype, top_p=top_p))
     assert m["top_p"] == top_p and m["format_version"] == 2 and verify_cache(tmp_path).ok
     kls = []
     for want, got in zip(recs, open_cache(tmp_path)):
@@ -81,7 +80,7 @@ def test_sqrt8_orders_ids_and_a_dense_cache_reads_by_reshape():
 
 def test_large_vocabularies_keep_int32_ids(tmp_path):
     recs = make_records(4, seed=1, k=8, vocab=70000)
-    write_cache(tmp_path, recs, shard_size=4, **writer_kwargs("arrow", k=8, vocab=70000), logprob_dtype="sqrt8")
+    write_cache(tmp_path, recs, shard_size=4, **writer_kwargs("arrow", k=8, vocab=70000, logprob_dtype="sqrt8"))
     got = list(open_cache(tmp_path))
     for r, g in zip(recs, got):
         assert [set(row) for row in r.topk_ids.tolist()] == [set(row) for row in g.topk_ids.tolist()]
@@ -112,13 +111,12 @@ def test_format_1_fixture_reads_verifies_and_inspects(backend, tmp_path):
 
 
 def test_inspect_shows_bytes_per_field_and_the_fidelity(tmp_path):
-    write_cache(tmp_path, records_with_targets(), shard_size=12, **writer_kwargs("arrow", k=K, vocab=V),
-                logprob_dtype="sqrt8", top_p=0.95)
+    write_cache(tmp_path, records_with_targets(), shard_size=12,
+                **writer_kwargs("arrow", k=K, vocab=V, logprob_dtype="sqrt8", top_p=0.95))
     res = kdcache("inspect", tmp_path)
     assert res.returncode == 0, res.stderr
     out = res.stdout
     for text in ("sqrt8", "top-p 0.95", "topk_ids", "topk_values", "tail_mass", "target_logprobs", "KL",
                  "perplexity"):
         assert text in out, (text, out)
-    m = json.loads((tmp_path / "manifest.json").read_text())
-    assert f"{cache_stats(m)['kl_mean']:.2e}" in out
+    assert f"{cache_stats(load_manifest(tmp_path))['kl_mean']:.2e}" in out

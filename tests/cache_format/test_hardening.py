@@ -20,7 +20,7 @@ from kdcache.cache_format import (
     write_shard_file,
 )
 from kdcache.cache_format.location import Location
-from tests.helpers.records import make_records, writer_kwargs
+from tests.helpers.records import make_records, shard_kwargs, writer_kwargs
 
 
 def _manifest(d):
@@ -93,8 +93,8 @@ def test_local_shards_carry_their_writers_tag(tmp_path):
     assert re.fullmatch(r"[0-9a-f]{8}", a.shard_tag) and a.shard_tag != b.shard_tag
     with a:
         info = a.write_shard(0, make_records(4), sample_start=0, sample_end=4)
-    assert info["path"] == f"shards/shard-00000-{a.shard_tag}.arrow"
-    assert os.path.isfile(tmp_path / "a" / info["path"])
+    assert info.path == f"shards/shard-00000-{a.shard_tag}.arrow"
+    assert os.path.isfile(tmp_path / "a" / info.path)
 
 
 @pytest.mark.parametrize("backend", ["arrow", "zarr"])
@@ -102,7 +102,7 @@ def test_a_stale_worker_of_an_old_job_cannot_replace_a_committed_shard(tmp_path,
     """Job 1 hands shard 1 to a worker and dies; job 2 writes and commits shard 1; then job 1's worker,
     which never learnt its job was gone (flock is advisory, and per client on NFS), finishes shard 1."""
     d, recs, other = tmp_path / "c", make_records(8, seed=3), make_records(8, seed=4)
-    kw = dict(backend=backend, top_k=8, vocab_size=300)
+    kw = shard_kwargs(backend)
     with CacheWriter(d, shard_size=4, num_records=8, **writer_kwargs(backend)) as job1:
         job1.write_shard(0, recs[:4], sample_start=0, sample_end=4)
     with CacheWriter(d, shard_size=4, num_records=8, **writer_kwargs(backend)) as job2:
@@ -111,16 +111,16 @@ def test_a_stale_worker_of_an_old_job_cannot_replace_a_committed_shard(tmp_path,
     rep = verify_cache(d)
     assert rep.ok, rep.problems                                    # the committed shard is untouched
     assert np.array_equal(open_cache(d)[5].input_ids, recs[5].input_ids)
-    assert late["path"] != _manifest(d)["shards"][1]["path"]
+    assert late.entry.path != _manifest(d)["shards"][1]["path"]
 
 
 def test_a_reopened_writer_sweeps_uncommitted_local_shards(tmp_path):
     d, recs = tmp_path / "c", make_records(8, seed=5)
-    kw = dict(backend="arrow", top_k=8, vocab_size=300, sample_start=4, sample_end=8)
+    kw = dict(**shard_kwargs("arrow"), sample_start=4, sample_end=8)
     with CacheWriter(d, shard_size=4, num_records=8, **writer_kwargs("arrow")) as w:
         w.write_shard(0, recs[:4], sample_start=0, sample_end=4)
-    orphans = [write_shard_file(d, 1, recs[4:], tag="0badc0de", **kw)["path"],   # a killed job's shard
-               write_shard_file(d, 1, recs[4:], **kw)["path"]]                  # an old, untagged one
+    orphans = [write_shard_file(d, 1, recs[4:], tag="0badc0de", **kw).entry.path,   # a killed job's shard
+               write_shard_file(d, 1, recs[4:], **kw).entry.path]                  # an old, untagged one
     committed = _manifest(d)["shards"][0]["path"]
     CacheWriter(d, shard_size=4, num_records=8, **writer_kwargs("arrow")).open().close()
     assert os.listdir(d / "shards") == [committed.split("/")[1]]

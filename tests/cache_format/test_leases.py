@@ -13,7 +13,7 @@ from kdcache.cache_format import CacheWriter, LockedError, ManifestError, open_c
 from kdcache.cache_format.lease import Lease, is_live, pid_namespace, process_dir, process_tag
 from kdcache.cache_format.location import Location
 from kdcache.cache_format.manifest import load_manifest
-from tests.helpers.records import make_records, writer_kwargs
+from tests.helpers.records import make_records, shard_kwargs, writer_kwargs
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 linux_only = pytest.mark.skipif(not os.path.exists(BOOT_ID), reason="needs /proc (boot id, process start times)")
@@ -159,12 +159,12 @@ def test_a_stalled_writer_whose_lease_was_taken_over_commits_nothing(when):
     w1._lock.ttl = 0.4                              # lapses soon once its heartbeat stops
     w1.open()
     w1.write_shard(0, recs[0:4], sample_start=0, sample_end=4)
-    late = write_shard_file(url, 1, recs[4:8], backend="arrow", top_k=8, vocab_size=300,
+    late = write_shard_file(url, 1, recs[4:8], **shard_kwargs("arrow"),
                             sample_start=4, sample_end=8, tag=w1.shard_tag)
     _stall(w1)
     _wait_until_lapsed(url)
     w2 = CacheWriter(url, **_plan()).open()         # takes the lapsed lease over, sweeps the upload
-    assert not Location(url).exists(late["path"])
+    assert not Location(url).exists(late.entry.path)
     if when.startswith("before"):
         with pytest.raises(LockedError, match="stopping without committing anything more"):
             w1.commit(late)
@@ -186,7 +186,7 @@ def test_a_writer_whose_clock_says_its_lease_holds_is_stopped_by_the_lease_objec
     w1 = CacheWriter(url, **_plan(8))
     w1._lock.ttl = 0.4
     w1.open()
-    late = write_shard_file(url, 0, recs[0:4], backend="arrow", top_k=8, vocab_size=300,
+    late = write_shard_file(url, 0, recs[0:4], **shard_kwargs("arrow"),
                             sample_start=0, sample_end=4, tag=w1.shard_tag)
     _stall(w1)
     _wait_until_lapsed(url)

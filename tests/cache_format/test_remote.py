@@ -24,7 +24,7 @@ from kdcache.cache_format.fetch import ShardFetcher
 from kdcache.cache_format.lease import boot_id, live_readers, pid_namespace, process_tag
 from kdcache.cache_format.location import Location
 from tests.helpers.cli import ROOT
-from tests.helpers.records import make_records, writer_kwargs
+from tests.helpers.records import make_records, shard_kwargs, writer_kwargs
 
 
 def same(a, b):
@@ -115,7 +115,7 @@ def test_uploaded_shard_is_invisible_until_committed(bucket):
     recs = make_records(8, seed=6)
     with CacheWriter(url, num_shards_planned=2, **writer_kwargs("arrow")) as w:
         w.write_shard(0, recs[:4], sample_start=0, sample_end=4)
-        write_shard_file(url, 1, recs[4:], backend="arrow", top_k=8, vocab_size=300, sample_start=4, sample_end=8)
+        write_shard_file(url, 1, recs[4:], **shard_kwargs("arrow"), sample_start=4, sample_end=8)
         assert [r.sample_id for r in open_cache(url)] == [0, 1, 2, 3]
         rep = verify_cache(url)
         assert rep.ok and any("shard-00001" in where for where, _ in rep.warnings)
@@ -178,9 +178,9 @@ def disk_bytes(d):
 def test_fetcher_stays_within_its_budget_and_reads_ahead(bucket):
     url = f"{bucket}/c"
     m = write_cache(url, make_records(80, seed=9), shard_size=10, **writer_kwargs("arrow"))
-    sizes = [s["bytes"] for s in m["shards"]]
+    sizes = [s.bytes for s in m.shards]
     budget = int(sizes[0] + sizes[1] + 0.5 * max(sizes))          # room for two shards, not three
-    f = ShardFetcher(Location(url), m["shards"], max_bytes=budget)
+    f = ShardFetcher(Location(url), m.shards, max_bytes=budget)
     f.prefetch(range(8))                                           # asks for all: only what fits starts
     deadline = time.time() + 30
     while f.downloaded_bytes < sizes[0] + sizes[1] and time.time() < deadline:
@@ -242,7 +242,7 @@ def test_shard_directory_of_a_killed_reader_is_swept(bucket, tmp_path):
     mine.mkdir()
     other_ns = tmp_path / f"kdcache-shards-12345-{dead}-abcd1234"            # another container's: kept
     other_ns.mkdir()
-    f = ShardFetcher(Location(url), m["shards"], directory=str(tmp_path))
+    f = ShardFetcher(Location(url), m.shards, directory=str(tmp_path))
     assert not left.exists() and mine.exists() and other_ns.exists() and os.path.isdir(f.dir)
     f.close()
 
@@ -253,8 +253,8 @@ def test_a_displaced_writers_upload_never_replaces_a_committed_shard(bucket):
     recs, other = make_records(8, seed=14), make_records(8, seed=15)
     with CacheWriter(url, num_shards_planned=2, **writer_kwargs("arrow")) as w:
         info = w.write_shard(0, recs[:4], sample_start=0, sample_end=4)
-        assert info["path"] == f"shards/shard-00000-{w.shard_tag}.arrow"
-        write_shard_file(url, 0, other[:4], backend="arrow", top_k=8, vocab_size=300,   # a job that lost
+        assert info.path == f"shards/shard-00000-{w.shard_tag}.arrow"
+        write_shard_file(url, 0, other[:4], **shard_kwargs("arrow"),   # a job that lost
                          sample_start=0, sample_end=4, tag="0badc0de")                  # its lease, late
     assert all(same(a, b) for a, b in zip(recs[:4], open_cache(url)))
     assert verify_cache(url).ok

@@ -19,7 +19,7 @@ from kdcache.cache_format import (
     write_cache,
 )
 from tests.helpers.cli import ROOT
-from tests.helpers.records import make_records, writer_kwargs
+from tests.helpers.records import make_records, shard_kwargs, writer_kwargs
 
 BACKENDS = ["arrow", "zarr"]
 
@@ -79,7 +79,7 @@ def test_reader_never_sees_unlisted_shard(tmp_path, backend):
         w.write_shard(0, recs[:20], sample_start=0, sample_end=20)
         # A crash after the shard file is published but before the manifest commit:
         from kdcache.cache_format import write_shard_file
-        write_shard_file(tmp_path, 1, recs[20:], backend=backend, top_k=8, vocab_size=300,
+        write_shard_file(tmp_path, 1, recs[20:], **shard_kwargs(backend),
                          sample_start=20, sample_end=40)
     cache = open_cache(tmp_path)
     assert len(cache) == 20 and cache.num_shards == 1 and not cache.complete
@@ -217,9 +217,9 @@ def test_writer_rejects_broken_records(tmp_path, field, value, msg):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_failed_shard_write_leaves_no_partial_file(tmp_path, monkeypatch, backend):
     """An error half-way through a shard write (e.g. disk full) leaves nothing under any name."""
-    from kdcache.cache_format import arrow_backend, zarr_backend
+    from kdcache.cache_format import arrow_format, zarr_format
     calls = {"n": 0}
-    target = (zarr_backend, "_put") if backend == "zarr" else (arrow_backend, "_batch")
+    target = (zarr_format, "_put") if backend == "zarr" else (arrow_format, "_batch")
     real = getattr(*target)
 
     def flaky(*a, **kw):
@@ -248,10 +248,10 @@ def test_writer_sweeps_temp_files_of_killed_writers(tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_shard_of_another_format_version_is_refused_by_name(tmp_path, backend, monkeypatch):
     """The manifest says version 2, but one shard was written by a version-3 writer: readers refuse it."""
-    from kdcache.cache_format.backends import get_backend
+    from kdcache.cache_format.storage import get_format
     write_cache(tmp_path / "new", make_records(20), shard_size=10, **writer_kwargs(backend))
     with monkeypatch.context() as m:
-        m.setattr(get_backend(backend), "FORMAT_VERSION", 3)
+        m.setattr(get_format(backend), "FORMAT_VERSION", 3)
         write_cache(tmp_path / "v2", make_records(20), shard_size=10, **writer_kwargs(backend))
     assert open_cache(tmp_path / "new")[15].sample_id == 15              # the same data at version 2 reads
     name = _shard_rel(tmp_path / "v2", 0)
@@ -266,9 +266,9 @@ def test_a_zarr_shard_of_a_later_version_with_other_arrays_is_refused_by_version
     """A later format may rename arrays: the reader names the version, not a missing array."""
     import shutil
 
-    from kdcache.cache_format import zarr_backend
+    from kdcache.cache_format import zarr_format
     with monkeypatch.context() as m:
-        m.setattr(zarr_backend, "FORMAT_VERSION", 3)
+        m.setattr(zarr_format, "FORMAT_VERSION", 3)
         write_cache(tmp_path, make_records(10), shard_size=10, **writer_kwargs("zarr"))
     name = _shard_rel(tmp_path, 0)
     shutil.rmtree(tmp_path / name / "topk_values")

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from kdcache.cache_format import CacheError, CacheWriter, open_cache, write_cache
+from kdcache.cache_format import CacheError, CacheWriter, Storage, open_cache, write_cache
 from kdcache.cache_format import store as store_mod
 from kdcache.cache_format.cli import gc_main, ls_main
 from kdcache.cache_format.location import Location
@@ -27,7 +27,7 @@ def add_cache(root, alias, data, n=12, shards_done=None, meta=None):
     """A cache of inputs `data` placed in the store by fingerprint; shards_done < planned leaves it incomplete."""
     kw = writer_kwargs("arrow", fingerprint_parts={"teacher": "t", "data": data},
                        meta=meta or {"teacher": "tiny-teacher", "dataset": data})
-    fp, _ = cache_fingerprint(kw["fingerprint_parts"], backend="arrow", top_k=8)
+    fp, _ = cache_fingerprint(kw["fingerprint_parts"], Storage("arrow", 8))
     where, _ = resolve(root, fp, alias)
     recs = make_records(n, seed=len(data))
     if shards_done is None:
@@ -48,7 +48,7 @@ def test_found_by_fingerprint_whatever_the_alias(root):
     assert where.endswith("/first-name--" + fp[:16])
     again, found = resolve(root, fp, "another alias")
     assert found and again == where                                   # same inputs: the same cache
-    other_fp, _ = cache_fingerprint({"teacher": "t", "data": "d2"}, backend="arrow", top_k=8)
+    other_fp, _ = cache_fingerprint({"teacher": "t", "data": "d2"}, Storage("arrow", 8))
     new, found = resolve(root, other_fp, "first name")
     assert not found and new != where and new.endswith(other_fp[:16])
 
@@ -157,7 +157,7 @@ def test_gc_refuses_a_directory_that_is_not_a_store(tmp_path):
 
 
 def test_same_inputs_started_twice_under_two_aliases_share_one_cache(root):
-    fp, _ = cache_fingerprint({"teacher": "t", "data": "d9"}, backend="arrow", top_k=8)
+    fp, _ = cache_fingerprint({"teacher": "t", "data": "d9"}, Storage("arrow", 8))
     a, found_a = resolve(root, fp, "first job")
     b, found_b = resolve(root, fp, "second job")        # before the first has written anything
     assert a == b and not found_a and found_b            # so the writer lock lets only one run the teacher
@@ -216,7 +216,7 @@ def _claim_path(fp):
                                  "x--0123456789abcdef", 42])
 def test_a_claim_that_is_not_a_plain_name_for_this_fingerprint_is_ignored(root, bad):
     """A claim is data from the store, never a path: one naming anything else is replaced by a proper name."""
-    fp, _ = cache_fingerprint({"teacher": "t", "data": "d7"}, backend="arrow", top_k=8)
+    fp, _ = cache_fingerprint({"teacher": "t", "data": "d7"}, Storage("arrow", 8))
     store = Location(root)
     store.write_json(_claim_path(fp), {"name": bad.format(id=fp[:16]) if isinstance(bad, str) else bad,
                                        "fingerprint": fp})
@@ -229,7 +229,7 @@ def test_a_claim_that_is_not_a_plain_name_for_this_fingerprint_is_ignored(root, 
 @pytest.mark.parametrize("damage", [b"", b'{"name": "half-writ', b"[1, 2]", b"\xff\xfe"])
 def test_an_empty_or_torn_claim_is_replaced(root, damage):
     """A crash between creating a claim and writing it left it empty or partial: resolve still finds a home."""
-    fp, _ = cache_fingerprint({"teacher": "t", "data": "d8"}, backend="arrow", top_k=8)
+    fp, _ = cache_fingerprint({"teacher": "t", "data": "d8"}, Storage("arrow", 8))
     Location(root).write_bytes(_claim_path(fp), damage)
     where, found = resolve(root, fp, "job")
     assert where == Location(root).path("job--" + fp[:16]) and not found
@@ -240,7 +240,7 @@ def test_an_empty_or_torn_claim_is_replaced(root, damage):
 
 def test_resolvers_racing_over_a_damaged_claim_agree(root):
     import threading
-    fp, _ = cache_fingerprint({"teacher": "t", "data": "d6"}, backend="arrow", top_k=8)
+    fp, _ = cache_fingerprint({"teacher": "t", "data": "d6"}, Storage("arrow", 8))
     Location(root).write_bytes(_claim_path(fp), b"")
     start, out = threading.Barrier(6), []
 
@@ -293,7 +293,7 @@ def test_gc_never_follows_a_store_entry_that_is_a_link(tmp_path, capsys):
 
 def test_a_writer_refuses_a_store_entry_that_is_a_link(tmp_path):
     root = tmp_path / "store"
-    fp, _ = cache_fingerprint({"teacher": "t", "data": "d4"}, backend="arrow", top_k=8)
+    fp, _ = cache_fingerprint({"teacher": "t", "data": "d4"}, Storage("arrow", 8))
     (tmp_path / "outside").mkdir()
     resolve(str(root), fp, "job")                       # claims job--<fp16>; then someone links it elsewhere
     os.symlink(tmp_path / "outside", root / ("job--" + fp[:16]))

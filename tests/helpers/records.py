@@ -1,7 +1,7 @@
 """Builders of synthetic cache records with teacher-like distributions."""
 import numpy as np
 
-from kdcache.cache_format import Record, tail_mass_from_logprobs
+from kdcache.cache_format import Record, Storage, tail_mass_from_logprobs
 
 EOS = 2
 
@@ -33,8 +33,18 @@ def make_records(n, seed=0, **kw):
     return [make_record(rng, i, **kw) for i in range(n)]
 
 
+STORAGE_KEYS = ("logprob_dtype", "codec", "top_p")
+
+
 def writer_kwargs(backend, k=8, vocab=300, **extra):
-    kw = dict(backend=backend, top_k=k, vocab_size=vocab, eos_token_ids=[EOS],
-              fingerprint_parts={"teacher": "t", "data": "d"})
+    """CacheWriter / write_cache keywords: storage format `backend` (arrow, zarr), top-k k; extra storage settings
+    (logprob_dtype, codec, top_p) go into its Storage, the rest to the writer."""
+    storage = Storage(backend, k, **{key: extra.pop(key) for key in STORAGE_KEYS if key in extra})
+    kw = dict(storage=storage, vocab_size=vocab, eos_token_ids=[EOS], fingerprint_parts={"teacher": "t", "data": "d"})
     kw.update(extra)
     return kw
+
+
+def shard_kwargs(backend, k=8, vocab=300, **storage):
+    """write_shard_file keywords matching writer_kwargs(backend, k, vocab, **storage)."""
+    return dict(storage=Storage(backend, k, **storage), vocab_size=vocab)

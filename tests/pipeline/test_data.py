@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kdcache.pipeline.data import BadRecord, DataError, iter_records, parse_record
+from kdcache.pipeline.data import BadRow, DataError, iter_rows, parse_row
 from tests.helpers.cli import write_jsonl
 
 CHAT = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
@@ -26,21 +26,21 @@ CHAT = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "co
     ({"text": None}, "'text' must be a string"),
 ])
 def test_bad_records_name_the_field(data, msg):
-    with pytest.raises(BadRecord, match=msg):
-        parse_record(data)
+    with pytest.raises(BadRow, match=msg):
+        parse_row(data)
 
 
 def test_good_shapes_and_unknown_fields_ignored():
-    assert parse_record({**CHAT, "id": 7}).kind == "chat"
-    assert parse_record({"prompt": "", "response": "r"}).completion == "r"
-    assert parse_record({"text": "t", "meta": {}}).kind == "text"
+    assert parse_row({**CHAT, "id": 7}).kind == "chat"
+    assert parse_row({"prompt": "", "response": "r"}).completion == "r"
+    assert parse_row({"text": "t", "meta": {}}).kind == "text"
 
 
 def test_jsonl_reports_file_and_line_and_keeps_indices(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [json.dumps(CHAT), "", "{not json", json.dumps(CHAT)])
     with open(path, "ab") as f:
         f.write(b'{"text": "caf\xe9"}\n')            # invalid UTF-8
-    recs = list(iter_records(path))
+    recs = list(iter_rows(path))
     assert [r.index for r in recs] == [0, 1, 2, 3]    # blank line is not a record
     assert recs[1].where.endswith("d.jsonl:3") and "invalid JSON" in recs[1].error
     assert recs[2].where.endswith("d.jsonl:4") and recs[2].error is None
@@ -50,7 +50,7 @@ def test_jsonl_reports_file_and_line_and_keeps_indices(tmp_path):
 def test_parquet_and_hf_directory(tmp_path):
     table = pa.table({"prompt": ["a", "b"], "completion": ["x", "y"]})
     pq.write_table(table, tmp_path / "d.parquet")
-    recs = list(iter_records(str(tmp_path / "d.parquet")))
+    recs = list(iter_rows(str(tmp_path / "d.parquet")))
     assert [r.data["completion"] for r in recs] == ["x", "y"] and recs[1].where.endswith("row 1")
     # The layout of datasets' save_to_disk: Arrow stream files listed in state.json.
     hf = tmp_path / "hf"
@@ -60,13 +60,13 @@ def test_parquet_and_hf_directory(tmp_path):
             w.write_table(t)
     (hf / "state.json").write_text(json.dumps({"_data_files": [{"filename": f"data-{i:05d}-of-00002.arrow"}
                                                                for i in range(2)]}))
-    recs = list(iter_records(str(hf)))
+    recs = list(iter_rows(str(hf)))
     assert [(r.index, r.data["completion"]) for r in recs] == [(0, "x"), (1, "y"), (2, "z")]
 
 
 def test_unknown_or_missing_dataset_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
-        list(iter_records(str(tmp_path / "nope.jsonl")))
+        list(iter_rows(str(tmp_path / "nope.jsonl")))
     (tmp_path / "d.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unknown format"):
-        list(iter_records(str(tmp_path / "d.csv")))
+        list(iter_rows(str(tmp_path / "d.csv")))

@@ -111,9 +111,9 @@ class FakeActorRay:
 
     def _run(self, unit):
         self.units.append(unit)
-        info = {"index": unit.index, "sample_start": unit.sample_start, "sample_end": unit.sample_end,
-                "num_samples": len(unit.samples)}
-        return {"info": info, "tokens": 2 * len(unit.samples), "teacher_s": 0.0}
+        entry = SimpleNamespace(index=unit.index, sample_start=unit.sample_start, sample_end=unit.sample_end,
+                                num_samples=len(unit.samples))
+        return {"shard": SimpleNamespace(entry=entry), "tokens": 2 * len(unit.samples), "teacher_s": 0.0}
 
     def remote(self, cls):
         return self._cls
@@ -149,11 +149,11 @@ class FakeWriter:
     def __init__(self):
         self.manifest = {"shards": [], "num_shards_planned": 4}
 
-    def commit(self, info):
-        self.manifest["shards"].append(info)
+    def commit(self, written):
+        self.manifest["shards"].append(written.entry)
 
     def done_indices(self):
-        return {s["index"] for s in self.manifest["shards"]}
+        return {s.index for s in self.manifest["shards"]}
 
 
 def test_shards_go_out_as_their_records_are_read_and_are_committed_after_the_scan(tmp_path):
@@ -187,7 +187,7 @@ def test_shards_go_out_as_their_records_are_read_and_are_committed_after_the_sca
         stats = d.run(bar=None)
         assert [(u.index, u.sample_start, u.sample_end, [s.sample_id for s in u.samples]) for u in ray.units] == \
             [(0, 0, 2, [0, 1]), (1, 2, 4, [2]), (2, 4, 6, [4, 5]), (3, 6, 7, [6])]
-        assert sorted(s["index"] for s in writer.manifest["shards"]) == [0, 1, 2, 3]
+        assert sorted(s.index for s in writer.manifest["shards"]) == [0, 1, 2, 3]
         assert stats.tokens == 12 and set(stats.startup) >= {"workers_ready_s", "first_submit_s", "scan_s",
                                                              "first_commit_s"}
     finally:

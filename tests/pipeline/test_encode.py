@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from kdcache.common.errors import SkipSample
-from kdcache.pipeline.data import parse_record
+from kdcache.pipeline.data import parse_row
 from kdcache.pipeline.encode import Encoder, end_of_turn_ids
 from tests.helpers.chats import MULTI
 
@@ -18,7 +18,7 @@ def test_end_of_turn_is_the_template_stop_token(tiny):
 
 def test_chat_targets_are_assistant_text_plus_end_of_turn(tiny):
     tok = tiny["tok"]
-    enc = Encoder(tok).encode(parse_record(MULTI))
+    enc = Encoder(tok).encode(parse_row(MULTI))
     # Token-exact: the ids are the tokenizer's ids of the rendered template, nothing re-templated.
     assert enc.input_ids.tolist() == tok(tok.apply_chat_template(MULTI["messages"], tokenize=False),
                                 add_special_tokens=False)["input_ids"]
@@ -34,77 +34,77 @@ def test_chat_targets_are_assistant_text_plus_end_of_turn(tiny):
 def test_eos_position_is_the_last_trained_position(tiny):
     tok = tiny["tok"]
     for rec in tiny["train"][:20]:
-        enc = Encoder(tok).encode(parse_record(rec))
+        enc = Encoder(tok).encode(parse_row(rec))
         assert enc.input_ids[enc.positions[-1] + 1] == tok.eos_token_id
         assert np.all(np.diff(enc.positions) == 1)       # single turn: one contiguous span
 
 
 def test_pair_with_template_equals_two_turn_chat(tiny):
     tok = tiny["tok"]
-    a = Encoder(tok).encode(parse_record({"prompt": "hello there", "completion": "sql"}))
-    b = Encoder(tok).encode(parse_record({"messages": [{"role": "user", "content": "hello there"},
+    a = Encoder(tok).encode(parse_row({"prompt": "hello there", "completion": "sql"}))
+    b = Encoder(tok).encode(parse_row({"messages": [{"role": "user", "content": "hello there"},
                                                        {"role": "assistant", "content": "sql"}]}))
     assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.positions, b.positions)
 
 
 def test_pair_raw_and_text_append_eos(tiny):
     tok = tiny["tok"]
-    enc = Encoder(tok, template="raw").encode(parse_record({"prompt": "hello", "completion": "docker sql"}))
+    enc = Encoder(tok, template="raw").encode(parse_row({"prompt": "hello", "completion": "docker sql"}))
     assert tok.decode(targets(enc)) == "docker sql<|im_end|>"
-    enc = Encoder(tok).encode(parse_record({"text": "docker and sql"}))
+    enc = Encoder(tok).encode(parse_row({"text": "docker and sql"}))
     assert enc.positions[0] == 0 and len(enc.positions) == len(enc.input_ids) - 1
     assert enc.input_ids[-1] == tok.convert_tokens_to_ids("<|endoftext|>")    # the document end, not <|im_end|>
 
 
 def test_truncate_flags_and_drop_skips(tiny):
     tok = tiny["tok"]
-    full = Encoder(tok).encode(parse_record(MULTI))
-    cut = Encoder(tok, max_length=len(full.input_ids) - 3).encode(parse_record(MULTI))
+    full = Encoder(tok).encode(parse_row(MULTI))
+    cut = Encoder(tok, max_length=len(full.input_ids) - 3).encode(parse_row(MULTI))
     assert cut.truncated and len(cut.input_ids) == len(full.input_ids) - 3
     assert cut.positions.max() <= len(cut.input_ids) - 2
     with pytest.raises(SkipSample) as e:
-        Encoder(tok, max_length=len(full.input_ids) - 3, overlong="drop").encode(parse_record(MULTI))
+        Encoder(tok, max_length=len(full.input_ids) - 3, overlong="drop").encode(parse_row(MULTI))
     assert e.value.reason == "too_long"
     with pytest.raises(SkipSample) as e:
-        Encoder(tok, max_length=5).encode(parse_record(MULTI))   # nothing of any answer fits
+        Encoder(tok, max_length=5).encode(parse_row(MULTI))   # nothing of any answer fits
     assert e.value.reason == "no_targets"
 
 
 def test_generate_mode_encodes_prompt_up_to_generation_prompt(tiny):
     tok = tiny["tok"]
-    enc = Encoder(tok, mode="generate").encode(parse_record(MULTI))
+    enc = Encoder(tok).encode_prompt(parse_row(MULTI))
     want = tok.apply_chat_template(MULTI["messages"][:4], tokenize=False, add_generation_prompt=True)
     assert tok.decode(enc.input_ids.tolist()) == want
     with pytest.raises(SkipSample):
-        Encoder(tok, mode="generate").encode(parse_record({"text": "x"}))
+        Encoder(tok).encode_prompt(parse_row({"text": "x"}))
 
 
 def test_enormous_message_is_truncated_and_flagged_or_dropped(tiny):
     tok = tiny["tok"]
     huge = {"messages": [{"role": "user", "content": "docker " * 20000}, {"role": "assistant", "content": "sql"}]}
     with pytest.raises(SkipSample) as e:                       # the answer lies beyond max_length: nothing to train
-        Encoder(tok, max_length=512).encode(parse_record(huge))
+        Encoder(tok, max_length=512).encode(parse_row(huge))
     assert e.value.reason == "no_targets"
     long_answer = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "sql " * 5000}]}
-    enc = Encoder(tok, max_length=512).encode(parse_record(long_answer))
+    enc = Encoder(tok, max_length=512).encode(parse_row(long_answer))
     assert enc.truncated and len(enc.input_ids) == 512 and enc.positions.max() == 510
     with pytest.raises(SkipSample) as e:
-        Encoder(tok, max_length=512, overlong="drop").encode(parse_record(long_answer))
+        Encoder(tok, max_length=512, overlong="drop").encode(parse_row(long_answer))
     assert e.value.reason == "too_long"
 
 
 def test_a_template_that_refuses_a_chat_is_a_bad_record_not_a_crash(tiny):
     import copy
 
-    from kdcache.common.errors import BadRecord
+    from kdcache.common.errors import BadRow
     tok = copy.deepcopy(tiny["tok"])
     tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
                          "{{ raise_exception('System role not supported') }}{% endif %}"
                          "{{ m['content'] + '<|im_end|>' }}{% endfor %}")
     chat = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
                          {"role": "assistant", "content": "sql"}]}
-    with pytest.raises(BadRecord, match="chat template refuses this chat: TemplateError: System role not supported"):
-        Encoder(tok).encode(parse_record(chat))
+    with pytest.raises(BadRow, match="chat template refuses this chat: TemplateError: System role not supported"):
+        Encoder(tok).encode(parse_row(chat))
 
 
 @pytest.mark.parametrize("how", ["no template", "template raw"])
@@ -113,7 +113,7 @@ def test_chat_records_without_a_template_are_concatenated_and_trained(tiny, how)
     tok = copy.deepcopy(tiny["tok"])
     if how == "no template":
         tok.chat_template = None
-    enc = Encoder(tok, template="raw" if how == "template raw" else "auto").encode(parse_record(MULTI))
+    enc = Encoder(tok, template="raw" if how == "template raw" else "auto").encode(parse_row(MULTI))
     ids = enc.input_ids.tolist()
     pieces = [tok(m["content"], add_special_tokens=False)["input_ids"] for m in MULTI["messages"]]
     answers = [p + [tok.eos_token_id] for p, m in zip(pieces, MULTI["messages"]) if m["role"] == "assistant"]

@@ -3,10 +3,10 @@ skipped, every assistant turn is trained through its end-of-turn token, and no u
 import numpy as np
 import pytest
 
-from kdcache.common.errors import BadRecord
+from kdcache.common.errors import BadRow
 from kdcache.demo.task import corpus, make_splits
 from kdcache.pipeline.chat import render
-from kdcache.pipeline.data import parse_record
+from kdcache.pipeline.data import parse_row
 from kdcache.pipeline.encode import Encoder
 from tests.helpers.families import CHATS, CODE, FAMILIES, corpus_texts, expected_refusal, family_tokenizer
 
@@ -29,9 +29,9 @@ def test_every_chat_is_cached_token_exact_and_trained_on_answers_only(tokenizers
     tok = tokenizers[family]
     enc = Encoder(tok, max_length=4096)
     for chat in CHATS:
-        msgs, record = chat["messages"], parse_record({"messages": chat["messages"]})
+        msgs, record = chat["messages"], parse_row({"messages": chat["messages"]})
         if expected_refusal(family, msgs):
-            with pytest.raises(BadRecord, match="chat template refuses"):
+            with pytest.raises(BadRow, match="chat template refuses"):
                 enc.encode(record)                  # counted and listed by the job, never a crash
             continue
         s = enc.encode(record)                      # no SkipSample: nothing is lost
@@ -42,7 +42,7 @@ def test_every_chat_is_cached_token_exact_and_trained_on_answers_only(tokenizers
         assert len(runs) == len(answers), chat["name"]
         for run, answer in zip(runs, answers):
             ids = s.input_ids[run]
-            assert ids[-1] in enc.eos_ids and not np.isin(ids[:-1], list(enc.eos_ids)).any(), chat["name"]
+            assert ids[-1] in enc.turn_ends and not np.isin(ids[:-1], list(enc.turn_ends)).any(), chat["name"]
             text = tok.decode(ids.tolist())
             assert answer.split("</think>")[-1].strip() in text, (family, chat["name"], text)
             for m in msgs:
@@ -54,7 +54,7 @@ def test_an_answer_starting_with_whitespace_is_trained_from_its_first_character(
     """Qwen2's pre-tokenizer merges the template's newline with the answer's: that token is trained."""
     tok = tokenizers["chatml"]
     chat = next(c for c in CHATS if c["name"] == "code_answer")
-    s = Encoder(tok).encode(parse_record({"messages": chat["messages"]}))
+    s = Encoder(tok).encode(parse_row({"messages": chat["messages"]}))
     first = s.positions[0] + 1
     before = tok.decode(s.input_ids[:first].tolist())
     assert before.endswith("<|im_start|>assistant") or before.endswith("<|im_start|>assistant\n")
@@ -64,7 +64,7 @@ def test_an_answer_starting_with_whitespace_is_trained_from_its_first_character(
 def test_qwen3_trains_the_last_turns_empty_think_block(tokenizers):
     tok = tokenizers["qwen3"]
     chat = next(c for c in CHATS if c["name"] == "two_turns")
-    s = Encoder(tok).encode(parse_record({"messages": chat["messages"]}))
+    s = Encoder(tok).encode(parse_row({"messages": chat["messages"]}))
     first, last = (tok.decode(s.input_ids[r].tolist()) for r in trained_runs(s))
     assert first == "sql<|im_end|>"                                        # earlier turn: as the template wrote it
     assert last == "<think>\n\n</think>\n\nkubernetes<|im_end|>"           # what the model writes after the prompt
@@ -95,7 +95,7 @@ def test_precompute_keeps_every_chat_the_template_allows(tokenizers, family, tmp
 def test_the_generation_configs_eos_ids_are_end_of_turn_ids(tokenizers, tmp_path):
     """Both backends stop on one recorded set: tokenizer EOS, template end-of-turn, generation config EOS."""
     from kdcache.pipeline.config import PrecomputeConfig
-    from kdcache.pipeline.job import settle
+    from kdcache.pipeline.settle import settle
     from tests.helpers.cli import write_jsonl
     from tests.helpers.families import FAMILY_ARCH, family_model
     tok = tokenizers["llama3"]
@@ -103,16 +103,16 @@ def test_the_generation_configs_eos_ids_are_end_of_turn_ids(tokenizers, tmp_path
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "docker"}])
     job = settle(PrecomputeConfig(teacher=str(tmp_path / "teacher"), data=data, out=str(tmp_path / "c"),
                                   backend="hf"), 0.0)
-    names = set(tok.convert_ids_to_tokens(job.eos_ids))
+    names = set(tok.convert_ids_to_tokens(job.turn_ends))
     assert {"<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"} <= names
-    assert job.parts["capture"]["eos_token_ids"] == job.eos_ids               # recorded, in the fingerprint
+    assert job.parts["capture"]["eos_token_ids"] == job.turn_ends               # recorded, in the fingerprint
 
 
 @pytest.mark.parametrize("family,end", [("qwen3", "<|endoftext|>"), ("llama3", "<|end_of_text|>"),
                                         ("gemma", "<eos>"), ("mistral", "</s>"), ("chatml", "<|endoftext|>")])
 def test_a_text_record_ends_with_the_document_end_token(tokenizers, family, end):
     tok = tokenizers[family]
-    s = Encoder(tok).encode(parse_record({"text": "docker and kubernetes"}))
+    s = Encoder(tok).encode(parse_row({"text": "docker and kubernetes"}))
     assert tok.convert_ids_to_tokens(int(s.input_ids[-1])) == end and s.positions[-1] == len(s.input_ids) - 2
-    assert int(s.input_ids[-1]) in Encoder(tok).eos_ids or tok.eos_token == end or family in ("qwen3", "chatml",
+    assert int(s.input_ids[-1]) in Encoder(tok).turn_ends or tok.eos_token == end or family in ("qwen3", "chatml",
                                                                                                "llama3")

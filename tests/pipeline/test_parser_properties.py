@@ -1,10 +1,10 @@
-"""Property-based: any input gives an Example or a BadRecord with a message, never a traceback."""
+"""Property-based: any input gives an Example or a BadRow with a message, never a traceback."""
 import json
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kdcache.pipeline.data import BadRecord, Example, iter_records, parse_record
+from kdcache.pipeline.data import BadRow, Example, iter_rows, parse_row
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=20))
 json_values = st.recursive(scalars, lambda c: st.one_of(st.lists(c, max_size=4),
@@ -26,8 +26,8 @@ records = st.one_of(
 @settings(max_examples=400, deadline=None)
 def test_parse_record_returns_example_or_bad_record(data):
     try:
-        ex = parse_record(data)
-    except BadRecord as e:
+        ex = parse_row(data)
+    except BadRow as e:
         assert str(e)
         return
     assert isinstance(ex, Example)
@@ -45,7 +45,7 @@ def test_jsonl_reader_never_raises_and_counts_every_nonblank_line(tmp_path_facto
     path = tmp_path_factory.mktemp("h") / "d.jsonl"
     lines = [ln.replace(b"\n", b" ").replace(b"\r", b" ") for ln in lines]
     path.write_bytes(b"".join(ln + b"\n" for ln in lines))
-    recs = list(iter_records(str(path)))
+    recs = list(iter_rows(str(path)))
     assert len(recs) == sum(1 for ln in lines if ln.strip())
     for r in recs:
         assert (r.error is None) or r.error.startswith(("invalid JSON", "invalid UTF-8"))

@@ -65,7 +65,7 @@ def _cfg(**kw):
 
 
 def test_a_url_teacher_needs_a_tokenizer_and_the_served_backend(tmp_path):
-    from kdcache.pipeline.job import check_paths
+    from kdcache.pipeline.settle import check_paths
     with pytest.raises(ConfigError, match="tokenizer: required with a served teacher"):
         check_paths(_cfg())
     with pytest.raises(ConfigError, match="backend: 'hf' runs a local model directory"):
@@ -75,7 +75,7 @@ def test_a_url_teacher_needs_a_tokenizer_and_the_served_backend(tmp_path):
 
 
 def test_served_max_length_and_fingerprint_part():
-    from kdcache.pipeline.job import settle_served_max_length, teacher_part
+    from kdcache.pipeline.settle import settle_served_max_length, teacher_part
     server = {"model": "m", "max_model_len": 512, "vllm_version": "0.32.0"}
     assert settle_served_max_length(_cfg(), server).max_length == 511          # one token of room per request
     assert settle_served_max_length(_cfg(), dict(server, max_model_len=32768)).max_length == 2048
@@ -246,7 +246,7 @@ def test_generate_sends_ids_and_stop_ids(fake):
     srv = fake()
     t = ServedTeacher(srv.url)
     out = t.generate([np.array([4, 5], np.int32)], max_new_tokens=[3], temperature=0.5, top_p=0.9, seeds=[11],
-                     eos_ids={7, 2})
+                     turn_ends={7, 2})
     assert out == [([7], True)]
     body = srv.posts[-1]
     assert body["prompt"] == [4, 5] and body["max_tokens"] == 3 and body["seed"] == 11
@@ -258,7 +258,7 @@ def test_generate_scored_is_one_request_per_prompt_with_the_step_top_k(fake):
     srv = fake()
     t = ServedTeacher(srv.url)
     out = t.generate_scored([np.array([4, 5], np.int32), np.array([6], np.int32)], k=2, max_new_tokens=[3, 0],
-                            temperature=0.0, top_p=1.0, seeds=[1, 2], eos_ids={7})
+                            temperature=0.0, top_p=1.0, seeds=[1, 2], turn_ends={7})
     assert len(srv.posts) == 1                       # one request for the first prompt; none for a zero budget
     body = srv.posts[0]
     assert body["logprobs"] == 2 and body["return_tokens_as_token_ids"] is True and body["stop_token_ids"] == [7]
@@ -370,7 +370,7 @@ def test_generate_mode_served_matches_hf_greedy(served, tiny, tmp_path):
     hf, ref = hf_reference(served.teacher, recs, 16)
     prompts = [r.input_ids[:r.positions[0] + 1].tolist() for r in recs]
     gens = hf.generate(prompts, max_new_tokens=[12] * len(recs), temperature=0.0, top_p=1.0,
-                       seeds=list(range(len(recs))), eos_ids=eos)
+                       seeds=list(range(len(recs))), turn_ends=eos)
     for rec, prompt, (new, ended), want in zip(recs, prompts, gens, ref):
         assert rec.input_ids.tolist() == prompt + new
         assert rec.truncated == (not ended)
@@ -391,9 +391,10 @@ def test_top_k_above_the_servers_max_logprobs_is_refused_before_any_work(served,
 @pytest.mark.slow
 def test_a_refused_sequence_fails_its_shard_naming_the_sample(served, tmp_path):
     """Past the probe (a worker asked for more than the server gives): the error names the sample."""
+    from kdcache.cache_format import Storage
     from kdcache.pipeline.worker import TeacherWorker, Unit, WorkerSpec
     spec = WorkerSpec("served", served.server.url, teacher_kwargs={"requests_in_flight": 2},
-                      shard_kwargs={"top_k": K + 1}, generate=None)
+                      storage=Storage("arrow", K + 1), vocab_size=400, generate=None)      # the tiny teacher's
     worker = TeacherWorker(spec)
     samples = [SimpleNamespace(sample_id=40 + i, input_ids=np.arange(2, 8 + i, dtype=np.int32),
                                positions=np.array([0, 1], np.int32), truncated=False) for i in range(3)]
@@ -402,7 +403,7 @@ def test_a_refused_sequence_fails_its_shard_naming_the_sample(served, tmp_path):
         worker.run(Unit(str(tmp_path), None, 0, 40, 43, samples))
     long = [SimpleNamespace(sample_id=7, input_ids=np.ones(600, np.int32), positions=np.array([0], np.int32),
                             truncated=False)]
-    spec.shard_kwargs["top_k"] = 4
+    spec.storage = Storage("arrow", 4)
     with pytest.raises(SampleFailed, match="^sample 7 .*600 tokens and the teacher server's max_model_len is 512"):
         worker.run(Unit(str(tmp_path), None, 0, 7, 8, long))
 

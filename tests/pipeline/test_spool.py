@@ -3,7 +3,7 @@ import os
 import numpy as np
 
 from kdcache.cache_format.lease import process_tag
-from kdcache.pipeline.dispatch import iter_units
+from kdcache.pipeline.dispatch import unit_samples
 from kdcache.pipeline.encode import Sample
 from kdcache.pipeline.spool import Spool
 
@@ -28,10 +28,11 @@ def test_round_trip_in_order(tmp_path):
 
 def test_units_include_shards_whose_records_were_all_skipped(tmp_path):
     sp = spool_of(tmp_path, [0, 1, 5, 9])            # shards 0:[0,1] 1:[] 2:[5] 3:[] 4:[9]
-    units = {j: [s.sample_id for s in items] for j, items in iter_units(2, sp, set(range(5)))}
-    assert units == {0: [0, 1], 1: [], 2: [5], 3: [], 4: [9]}
-    units = {j: [s.sample_id for s in items] for j, items in iter_units(2, sp, {1, 4})}
-    assert units == {1: [], 4: [9]}
+    def units(todo):
+        reader = sp.reader()
+        return {j: [s.sample_id for s in unit_samples(reader, j, 2)] for j in sorted(todo)}
+    assert units(range(5)) == {0: [0, 1], 1: [], 2: [5], 3: [], 4: [9]}
+    assert units({1, 4}) == {1: [], 4: [9]}
 
 
 def test_spools_of_killed_jobs_are_swept(tmp_path):

@@ -17,13 +17,13 @@ FAST = 8          # records read at full speed; then the reader slows down until
 
 
 class SlowReader:
-    """kdcache.pipeline.data.iter_records that, after FAST records, takes up to `budget` seconds per record (sleeping in
+    """kdcache.pipeline.data.iter_rows that, after FAST records, takes up to `budget` seconds per record (sleeping in
     small steps) until a shard file appears under `out`: a dataset slow to read, without a fixed sleep. Records
     when that happened and what the manifest held then."""
 
     def __init__(self, out, budget=1.0, give_up=240):
-        from kdcache.pipeline.data import iter_records
-        self.iter_records, self.out, self.budget, self.give_up = iter_records, out, budget, give_up
+        from kdcache.pipeline.data import iter_rows
+        self.iter_rows, self.out, self.budget, self.give_up = iter_rows, out, budget, give_up
         self.seen_at_record = None        # records read when the first shard file was there
         self.committed_then = None        # shards in the manifest at that moment
         self.finished = False
@@ -36,7 +36,7 @@ class SlowReader:
 
     def __call__(self, path):
         t_end = time.time() + self.give_up
-        for raw in self.iter_records(path):
+        for raw in self.iter_rows(path):
             if raw.index >= FAST and self.seen_at_record is None:
                 t = time.time() + self.budget
                 while time.time() < min(t, t_end) and not self.shard_files():
@@ -56,7 +56,7 @@ def run_in_process(monkeypatch, reader, **settings):
     monkeypatch.setenv("RAY_ADDRESS", "")
     monkeypatch.delenv("PYTHONPATH", raising=False)   # the Ray workers import kdcache from its install
     monkeypatch.chdir(user_project())                 # Ray puts the driver's directory on the workers' path
-    monkeypatch.setattr(job, "iter_records", reader)
+    monkeypatch.setattr(job, "iter_rows", reader)
     cfg = load(PrecomputeConfig, None, dict(backend="hf", top_k=8, worker_cpus=0.5, progress=False, **settings))
     return job.run_precompute(cfg)
 

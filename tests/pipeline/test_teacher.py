@@ -17,11 +17,11 @@ def test_auto_picks_an_importable_backend(monkeypatch):
     """The rule by machine (GPU, CPU, URL) is tested in test_served.py; here: only what imports is picked."""
     monkeypatch.setattr(teacher, "importable", lambda name: name == "hf")
     monkeypatch.setattr(teacher, "cuda_visible", lambda: True)
-    assert teacher.pick_backend("auto") == "hf"
-    assert teacher.pick_backend("vllm") == "vllm"                     # a named backend is kept
+    assert teacher.choose_backend("auto")[0] == "hf"
+    assert teacher.choose_backend("vllm")[0] == "vllm"                # a named backend is kept
     monkeypatch.setattr(teacher, "importable", lambda name: False)
     with pytest.raises(ConfigError, match="no teacher backend imports"):
-        teacher.pick_backend("auto")
+        teacher.choose_backend("auto")
 
 
 def test_a_registered_backend_is_a_valid_config_choice(monkeypatch):

@@ -67,7 +67,7 @@ def test_generate_mode_vllm_matches_hf_greedy(tiny, tmp_path):
     eos = set(open_cache(tmp_path / "vllm").eos_token_ids)
     prompts = [r.input_ids[:r.positions[0] + 1].tolist() for r in recs]
     gens = hf.generate(prompts, max_new_tokens=[12] * len(recs), temperature=0.0, top_p=1.0,
-                       seeds=list(range(len(recs))), eos_ids=eos)
+                       seeds=list(range(len(recs))), turn_ends=eos)
     for rec, prompt, (new, ended), want in zip(recs, prompts, gens, ref):
         assert rec.input_ids.tolist() == prompt + new                 # the same greedy completion
         assert rec.truncated == (not ended)

@@ -78,7 +78,7 @@ def test_generate_scored_reads_each_generated_step(fake_vllm):
     new = flat.seq[1:]                                    # 5 generated tokens; step j is entry j
     t = fake_vllm([SimpleNamespace(outputs=[SimpleNamespace(token_ids=new, logprobs=steps)])])
     out = t.generate_scored([np.array([1, 2]), np.array([3])], k=k, max_new_tokens=[5, 0], temperature=0.0,
-                            top_p=1.0, seeds=[7, 8], eos_ids={new[-1]})
+                            top_p=1.0, seeds=[7, 8], turn_ends={new[-1]})
     (params,) = t.calls
     assert len(params) == 1 and params[0].logprobs == k and params[0].flat_logprobs and params[0].seed == 7
     (got_new, ended, sc), (none, ended2, empty) = out
@@ -88,4 +88,4 @@ def test_generate_scored_reads_each_generated_step(fake_vllm):
     np.testing.assert_allclose(sc.target_logprobs, np.array(flat.want_target), rtol=1e-6)
     # generate() is the same pass with the scores dropped
     assert t.generate([np.array([1, 2]), np.array([3])], max_new_tokens=[5, 0], temperature=0.0, top_p=1.0,
-                      seeds=[7, 8], eos_ids={new[-1]}) == [(new, True), ([], False)]
+                      seeds=[7, 8], turn_ends={new[-1]}) == [(new, True), ([], False)]

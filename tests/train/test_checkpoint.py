@@ -4,9 +4,9 @@ import json
 import pytest
 
 from kdcache.common.errors import TrainDataError
-from kdcache.train.checkpoint import check_plan
+from kdcache.train.checkpoint import check_order
 
-PLAN = {"cache_fingerprint": "f" * 64, "shards_sha256": "a" * 64, "num_shards": 2, "world_size": 2, "seed": 0,
+ORDER = {"cache_fingerprint": "f" * 64, "shards_sha256": "a" * 64, "num_shards": 2, "world_size": 2, "seed": 0,
         "shuffle": True}
 
 
@@ -15,28 +15,28 @@ def saved(tmp_path, **meta):
     return str(tmp_path)
 
 
-def test_the_same_plan_resumes(tmp_path):
-    check_plan(saved(tmp_path, world_size=2, data=PLAN), dict(PLAN))
+def test_the_same_order_resumes(tmp_path):
+    check_order(saved(tmp_path, world_size=2, data=ORDER), dict(ORDER))
 
 
 def test_a_grown_cache_is_refused_naming_what_changed(tmp_path):
-    path = saved(tmp_path, world_size=2, data=PLAN)
+    path = saved(tmp_path, world_size=2, data=ORDER)
     with pytest.raises(TrainDataError, match=r"num_shards: 2 in the checkpoint, 4 now.*same cache"):
-        check_plan(path, dict(PLAN, num_shards=4, shards_sha256="b" * 64))
+        check_order(path, dict(ORDER, num_shards=4, shards_sha256="b" * 64))
 
 
 @pytest.mark.parametrize("key,value", [("seed", 1), ("shuffle", False), ("cache_fingerprint", "e" * 64)])
 def test_another_order_or_cache_is_refused(tmp_path, key, value):
     with pytest.raises(TrainDataError, match=key):
-        check_plan(saved(tmp_path, world_size=2, data=PLAN), dict(PLAN, **{key: value}))
+        check_order(saved(tmp_path, world_size=2, data=ORDER), dict(ORDER, **{key: value}))
 
 
 def test_another_world_size_is_refused_with_the_relaunch(tmp_path):
     with pytest.raises(TrainDataError, match=r"world_size: 2 in the checkpoint, 1 now.*--nproc-per-node 2"):
-        check_plan(saved(tmp_path, world_size=2, data=PLAN), dict(PLAN, world_size=1))
+        check_order(saved(tmp_path, world_size=2, data=ORDER), dict(ORDER, world_size=1))
 
 
-def test_an_older_checkpoint_without_a_plan_still_checks_the_ranks(tmp_path):
-    check_plan(saved(tmp_path, world_size=2), dict(PLAN))
+def test_an_older_checkpoint_without_an_order_still_checks_the_ranks(tmp_path):
+    check_order(saved(tmp_path, world_size=2), dict(ORDER))
     with pytest.raises(TrainDataError, match="world_size"):
-        check_plan(saved(tmp_path, world_size=2), dict(PLAN, world_size=3))
+        check_order(saved(tmp_path, world_size=2), dict(ORDER, world_size=3))

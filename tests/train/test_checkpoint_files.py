@@ -11,7 +11,7 @@ import torch
 
 from kdcache.common.errors import TrainDataError
 from kdcache.train import checkpoint, trainer
-from kdcache.train.checkpoint import complete_checkpoints, resolve_resume, rng_state, set_rng_state
+from kdcache.train.checkpoint import _checkpoints, resolve_resume, rng_state, set_rng_state
 
 PLAN = {"cache_fingerprint": "f" * 64, "shards_sha256": "a" * 64, "num_shards": 2, "world_size": 1, "seed": 0,
         "shuffle": True}
@@ -32,11 +32,11 @@ class FakeEngine:
 
 def save(out, step, keep=2):
     return checkpoint.save(FakeEngine(), str(out), step, rank=0, world=1, client_state={"step": step},
-                           rank_state={"pos": step}, barrier=lambda: None, keep=keep, plan=PLAN)
+                           rank_state={"pos": step}, barrier=lambda: None, keep=keep, order=PLAN)
 
 
 def steps(out):
-    return [s for s, _p in complete_checkpoints(str(out))]
+    return [step for step, _path, _run in _checkpoints(str(out))]      # every run's, oldest first
 
 
 def meta(path):

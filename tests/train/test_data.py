@@ -56,7 +56,7 @@ def test_a_rank_resumes_exactly_in_the_middle_of_its_span(cache_dir):
     flat = [r.sample_id for b, _ in batches for r in b]
     for cut in (1, 3, len(batches) - 1):
         s = CacheStream(cache_dir, rank=1, world=3, seed=6, epochs=2, batch_size=4)
-        s.load_state_dict(batches[cut - 1][1])
+        s.load_state_dict(batches[cut - 1][1].to_dict())
         assert [r.sample_id for b, _ in s.batches() for r in b] == flat[sum(len(b) for b, _ in batches[:cut]):]
 
 
@@ -66,7 +66,7 @@ def test_resume_from_any_state_continues_with_exactly_the_next_samples(cache_dir
     flat = [r.sample_id for b, _ in batches for r in b]
     for cut in (1, 2, 7, 17, len(batches) - 1):
         s = CacheStream(cache_dir, seed=5, epochs=2, batch_size=3)
-        s.load_state_dict(batches[cut - 1][1])
+        s.load_state_dict(batches[cut - 1][1].to_dict())
         rest = [r.sample_id for b, _ in s.batches() for r in b]
         done = sum(len(b) for b, _ in batches[:cut])
         assert rest == flat[done:]
@@ -129,3 +129,13 @@ def test_damaged_shard_stops_training_or_is_skipped_and_counted(tmp_path):
     s = CacheStream(tmp_path, shuffle=False, epochs=1, skip_damaged=True)
     assert order(s) == list(range(10)) + list(range(20, 30))
     assert s.damaged == {rel: 10}
+
+
+def test_a_stream_position_steps_through_rows_segments_and_epochs():
+    from kdcache.train.data import StreamPosition
+    p = StreamPosition(2, 1, 0)
+    assert p.after_row(0, 3, 4) == StreamPosition(2, 1, 1)
+    assert p.after_row(2, 3, 4) == StreamPosition(2, 2, 0)            # the segment's last row
+    assert StreamPosition(2, 3, 0).after_row(2, 3, 4) == StreamPosition(3, 0, 0)   # the epoch's last
+    assert StreamPosition.from_dict(p.to_dict()) == p
+    assert p.to_dict() == {"epoch": 2, "shard_cursor": 1, "row_cursor": 0}      # the checkpoint's keys

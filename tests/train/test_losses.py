@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from kdcache.common.errors import ConfigError
 from kdcache.train import losses
-from kdcache.train.losses import LossConfig, chunked_kd_loss, gkd_per_position, kd_loss_from_logits, sft_per_position
+from kdcache.train.losses import LossConfig, chunked_kd_loss, gkd_per_position, kd_loss_from_logits
 
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
 MODES = ["tail", "renorm"]
@@ -262,7 +262,6 @@ def test_sft_term(alpha):
     (g_got,) = torch.autograd.grad(loss, student)
     (g_want,) = torch.autograd.grad(kd + alpha * ce, student)
     torch.testing.assert_close(g_got, g_want)
-    torch.testing.assert_close(sft_per_position(student, targets), F.cross_entropy(student, targets, reduction="none"))
 
 
 # 7. Chunked equals plain, values and gradients.
@@ -506,7 +505,9 @@ def test_bf16_inputs_are_computed_in_float32():
     got = gkd(s16, ids.int(), lp.bfloat16(), tail.bfloat16(), beta=0.5)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, gkd(s16.float(), ids, lp.bfloat16().float(), tail.bfloat16().float(), beta=0.5))
-    assert sft_per_position(s16, targets).dtype == torch.float32
+    with_sft, parts = kd_loss_from_logits(s16, ids, lp, tail, targets, LossConfig(sft_alpha=0.5))
+    assert with_sft.dtype == torch.float32
+    assert parts["sft"] == pytest.approx(float(F.cross_entropy(s16.float(), targets, reduction="sum")), rel=1e-6)
 
     g = torch.Generator().manual_seed(16)
     hidden, weight = torch.randn(6, 5, generator=g).bfloat16(), torch.randn(11, 5, generator=g).bfloat16()

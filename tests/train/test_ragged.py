@@ -38,8 +38,7 @@ def bucket_kl(student_logits, rows, beta):
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_ragged_rows_from_a_cache_give_the_dense_per_row_loss(tmp_path, dtype, top_p, beta):
     recs = make_records(6, seed=4, k=K, vocab=V)
-    write_cache(tmp_path, recs, shard_size=6, **writer_kwargs("arrow", k=K, vocab=V), logprob_dtype=dtype,
-                top_p=top_p)
+    write_cache(tmp_path, recs, shard_size=6, **writer_kwargs("arrow", k=K, vocab=V, logprob_dtype=dtype, top_p=top_p))
     got = list(open_cache(tmp_path))
     assert top_p is None or any((r.topk_ids < 0).any() for r in got)         # rows really are ragged
     b = collate(got, pad_id=0, student_vocab=V)
@@ -90,7 +89,7 @@ def test_sqrt8_storage_moves_the_loss_by_little(tmp_path):
     recs = make_records(8, seed=9, k=K, vocab=V)
     losses = {}
     for dtype in ("float32", "sqrt8"):
-        write_cache(tmp_path / dtype, recs, shard_size=8, **writer_kwargs("zarr", k=K, vocab=V), logprob_dtype=dtype)
+        write_cache(tmp_path / dtype, recs, shard_size=8, **writer_kwargs("zarr", k=K, vocab=V, logprob_dtype=dtype))
         b = collate(list(open_cache(tmp_path / dtype)), pad_id=0, student_vocab=V)
         z = torch.randn(b.n_positions, V, generator=torch.Generator().manual_seed(1))
         losses[dtype] = float(kd_loss_from_logits(z, b.topk_ids, b.topk_logprobs, b.tail_mass, b.targets,
