@@ -202,14 +202,14 @@ def gc_main(argv=None):
         unused = time.time() - args.unused_for if unused is None else max(unused, time.time() - args.unused_for)
     if args.incomplete_older_than is None and unused is None:
         p.error("say what to remove: --incomplete-older-than AGE and/or --unused-since DATE / --unused-for AGE")
-    plan = gc(args.store, incomplete_older_than=args.incomplete_older_than, unused_since=unused,
+    decisions = gc(args.store, incomplete_older_than=args.incomplete_older_than, unused_since=unused,
               dry_run=args.dry_run)
-    for e, action, why in plan:
+    for e, action, why in decisions:
         size = e.manifest.counts["bytes"] if e.manifest else 0
         print(f"{action:<13} {e.name}  ({e.state}, {size / 1e6:.1f} MB): {why}")
-    removed = [e for e, a, _ in plan if a in ("removed", "would remove")]
+    removed = [e for e, a, _ in decisions if a in ("removed", "would remove")]
     freed = sum(e.manifest.counts["bytes"] for e in removed if e.manifest)
     verb = "would remove" if args.dry_run else "removed"
-    print(f"{verb} {len(removed)} cache(s), {freed / 1e6:.1f} MB; kept {len(plan) - len(removed)} matching "
+    print(f"{verb} {len(removed)} cache(s), {freed / 1e6:.1f} MB; kept {len(decisions) - len(removed)} matching "
           "cache(s) in use")
     return 0

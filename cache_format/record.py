@@ -8,6 +8,9 @@ from .errors import RecordError
 # A teacher log-prob of -inf (a masked or impossible token in the top-k, e.g. a padded vocabulary row) is
 # stored as this finite floor: exp(-1000) is 0 in every float type, and float16 holds it exactly.
 LOGPROB_FLOOR = -1000.0
+# How far above 1 the probabilities a teacher hands the writer may sum (float32 rounding of a log-softmax over
+# the top-k); verify allows the same for a float32 cache (verify.MASS_TOL). More is not a distribution.
+MAX_EXCESS_MASS = 1e-3
 
 
 @dataclass
@@ -67,10 +70,15 @@ def lacks_end_of_turn(targets, truncated, eos_token_ids) -> bool:
     return not truncated and not np.isin(np.asarray(targets), list(eos_token_ids)).any()
 
 
-def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True) -> Record:
+def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True, ragged: bool = False,
+                 mass_tol: float | None = MAX_EXCESS_MASS) -> Record:
     """Coerce dtypes, derive a missing tail_mass, check shapes and invariants; raise RecordError naming the sample.
 
-    ranked: entries must be in descending log-prob order (what writers take; a sqrt8 cache reads back by id)."""
+    The one rule for every teacher backend and for verify: ids in [0, vocab_size) and unique within a row, -1
+    (an unused slot) only in a ragged cache (ragged: its manifest's top_p is set), log-probs finite and <= 0
+    whose probabilities sum to at most 1 + mass_tol (None: not checked here; verify checks stored rows with the
+    rounding of their dtype). ranked: entries must be in descending log-prob order (what writers take; a sqrt8
+    cache reads back by id)."""
     sid = rec.sample_id
     ids = np.ascontiguousarray(rec.input_ids, dtype=np.int32)
     pos = np.ascontiguousarray(rec.positions, dtype=np.int32)
@@ -98,10 +106,24 @@ def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True) 
         bad(f"positions must be strictly increasing within [0, {T - 2}]")
     if not used[:, 0].all() or (top_k > 1 and np.any(used[:, 1:] & ~used[:, :-1])) or np.any(tid < -1):
         bad("every position needs at least one top-k entry, and only trailing slots may be unused (id -1)")
+    if not ragged and not used.all():
+        p = int(np.flatnonzero(~used.all(axis=1))[0])
+        bad(f"position {pos[p]} has an unused slot (id -1), but this cache keeps all {top_k} entries (no top_p)")
+    if top_k > 1:
+        srt = np.sort(tid, axis=1)
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        if dup.any():
+            p = int(np.flatnonzero(dup.any(axis=1))[0])
+            bad(f"position {pos[p]} lists token id {int(srt[p, 1:][dup[p]][0])} twice in its top-{top_k}")
     if ids.min() < 0 or ids.max() >= vocab_size or tid.max() >= vocab_size:
         bad(f"token ids must lie in [0, {vocab_size})")
     if not np.all(np.isfinite(tlp[used])) or tlp[used].max() > 1e-4:
         bad("topk_logprobs must be finite and <= 0")
+    mass = np.exp(np.where(used, tlp, -np.inf).astype(np.float64)).sum(axis=1)
+    if mass_tol is not None and mass.max() > 1 + mass_tol:
+        p = int(np.argmax(mass))
+        bad(f"position {pos[p]}: its top-{top_k} probabilities sum to {mass[p]:.6f}, more than 1 (+{mass_tol:g}): "
+            "not log-probs of one distribution")
     with np.errstate(invalid="ignore"):               # -inf - -inf in unused slots, masked out below
         steps = np.diff(tlp, axis=1)
     if ranked and top_k > 1 and np.any(steps[used[:, 1:]] > 1e-6):

@@ -302,15 +302,15 @@ def gc(where, *, incomplete_older_than=None, unused_since=None, dry_run=False, n
     loc = as_location(where)
     if not is_store(loc):
         raise CacheError(f"{loc.url} is not a kdcache store (no {STORE_MARKER}); gc only works on stores")
-    plan = []
+    decisions = []
     for e in list_caches(loc):
         why = None
         if e.link is not None:
-            plan.append((e, "kept", f"a symbolic link to {e.link}: not followed, nothing touched; "
+            decisions.append((e, "kept", f"a symbolic link to {e.link}: not followed, nothing touched; "
                                     "remove the link by hand if it is not wanted"))
             continue
         if e.state == "unreadable":
-            plan.append((e, "kept", "manifest unreadable: inspect it by hand"))
+            decisions.append((e, "kept", "manifest unreadable: inspect it by hand"))
             continue
         if incomplete_older_than is not None and not e.complete and (e.updated or 0) < now - incomplete_older_than:
             why = f"incomplete, idle {_age(now - (e.updated or 0))}"
@@ -319,17 +319,17 @@ def gc(where, *, incomplete_older_than=None, unused_since=None, dry_run=False, n
         if why is None:
             continue
         if e.readers:
-            plan.append((e, "kept", f"{why}, but {len(e.readers)} run(s) are reading it"))
+            decisions.append((e, "kept", f"{why}, but {len(e.readers)} run(s) are reading it"))
         elif e.writing:
-            plan.append((e, "kept", f"{why}, but a precompute is writing it"))
+            decisions.append((e, "kept", f"{why}, but a precompute is writing it"))
         elif dry_run:
-            plan.append((e, "would remove", why))
+            decisions.append((e, "would remove", why))
         else:
             kept = remove_cache(as_location(e.url))
-            plan.append((e, "removed", why) if kept is None else (e, "kept", f"{why}, but {kept}"))
+            decisions.append((e, "removed", why) if kept is None else (e, "kept", f"{why}, but {kept}"))
             if kept is None:
                 _drop_claim(loc, e.name)
-    return plan
+    return decisions
 
 
 def _drop_claim(loc, name):

@@ -45,7 +45,8 @@ def write_shard_file(directory, index, records, *, storage: Storage, vocab_size,
     """
     checked, kls = [], []
     for r in records:
-        rec, kl = to_store(check_record(r, storage.top_k, vocab_size), top_p=storage.top_p,
+        rec, kl = to_store(check_record(r, storage.top_k, vocab_size, ragged=storage.top_p is not None),
+                           top_p=storage.top_p,
                            logprob_dtype=storage.logprob_dtype, vocab_size=vocab_size)
         checked.append(rec)
         kls.append(kl)

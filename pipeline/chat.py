@@ -2,16 +2,24 @@
 
 The whole chat is rendered once and tokenized once: the cache holds exactly those ids (rule 2),
 whatever the template does to earlier turns (Qwen3 drops their think blocks, Llama 3 writes a date
-header). Each assistant turn is then found in that one rendering:
+header). Each assistant turn is then located in that one rendering, anchored where the format puts it,
+never by searching for the answer's text from the previous message (a short answer such as "a" or "end"
+would be found inside the template's own markup):
 
   - it opens where the template's generation prompt ends (the text `add_generation_prompt` appends,
-    e.g. `<|im_start|>assistant\\n`), right after the previous message;
+    e.g. `<|im_start|>assistant\\n`), the first such opening after the previous message;
   - it is trained from the first token that overlaps what comes after that opening (a token that
     straddles the template's newline and an answer starting with whitespace is trained, as Hugging
-    Face's assistant masks do), through the first end-of-turn token after the answer's text (rule 1).
+    Face's assistant masks do), through the first end-of-turn token after it (rule 1);
+  - the answer's text must lie between the two, else the sample is skipped and counted ("template").
+A template with no generation prompt (Mistral's) opens the turn after what it writes to close the user's
+message (`[/INST]`); where neither can be told, the turn opens where the answer's text starts, searched
+backwards from the turn's end-of-turn token.
 
 So for a Qwen3 chat, the last assistant turn's `<think>\\n\\n</think>\\n\\n` (which the template writes
 after the generation prompt) is trained: it is what the model emits before answering without thinking.
+The generation prompt is rendered once per chat (from its first turns), so encoding a chat is linear in its
+messages.
 """
 import numpy as np
 
@@ -30,10 +38,15 @@ def render(tok, messages, gen_prompt=False):
         raise BadRow(f"the chat template refuses this chat: {type(e).__name__}: {e}") from None
 
 
-def generation_prompt(tok, messages):
-    """The text the template appends to open the assistant's turn after `messages` ('' if none)."""
-    bare, opened = render(tok, messages), render(tok, messages, gen_prompt=True)
-    return opened[len(bare):] if opened.startswith(bare) else ""
+def turn_opening(tok, head):
+    """The text that opens an assistant turn after `head` (the chat before its first assistant message): the
+    generation prompt, or for a template without one (Mistral), what it writes after the user's message
+    (`[/INST]`): the model writes what follows. '' if neither can be told."""
+    bare, opened = render(tok, head), render(tok, head, gen_prompt=True)
+    prompt = opened[len(bare):] if opened.startswith(bare) else ""
+    last = head[-1]["content"].strip() if head else ""
+    k = opened.rfind(last) if last and not prompt else -1
+    return prompt or (opened[k + len(last):] if k >= 0 else "")
 
 
 def chat_spans(tok, messages, turn_ends):
@@ -41,43 +54,40 @@ def chat_spans(tok, messages, turn_ends):
     full = render(tok, messages)
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
+    starts = np.array([a for a, _ in enc["offset_mapping"]])
     ends = np.array([e for _, e in enc["offset_mapping"]])     # char offsets: ends are robust to trimmed starts
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    opening = turn_opening(tok, messages[:first]) if first else ""
     spans, cursor = [], 0
     for i, m in enumerate(messages):
-        if m["role"] == "system":
-            continue                     # templates may move it (Mistral puts it in the last user turn)
-        where, size = _find(full, m["content"], cursor)
-        if where < 0:
-            if m["role"] != "assistant":
-                continue                 # a template may reword other turns; only answers must be found
-            raise SkipSample("template", f"assistant turn {i}: its text is not in the chat as the template renders "
-                             "it, so its tokens cannot be located")
-        if m["role"] == "assistant":
-            spans.append(_turn_span(tok, messages[:i], full, ids, ends, cursor, where, size, turn_ends, i))
-            cursor = int(ends[spans[-1][1] - 1])
-        else:
-            cursor = where + size
+        if m["role"] != "assistant":
+            continue
+        a, eot = _turn(full, ids, starts, ends, cursor, opening, m["content"], turn_ends, i)
+        spans.append((a, eot + 1))
+        cursor = int(ends[eot])
     return ids, spans
 
 
-def _find(full, content, cursor):
-    """(position, length) of a message's text in the rendering, from cursor. Templates may trim it (Llama 3,
-    Gemma) or, for Qwen3, keep only what follows its reasoning's `</think>`; (-1, 0) if it is not there."""
-    for text in (content.strip(), content.split("</think>")[-1].strip()):
-        where = full.find(text, cursor)
-        if where >= 0:
-            return where, len(text)
-    return -1, 0
+def _answer_texts(content):
+    """The text a template may write for an answer: trimmed (Llama 3, Gemma), or for Qwen3 only what follows its
+    reasoning's `</think>`."""
+    return content.strip(), content.split("</think>")[-1].strip()
 
 
-def _turn_span(tok, before, full, ids, ends, cursor, where, size, turn_ends, i):
-    opening = generation_prompt(tok, before)
-    k = full.rfind(opening, cursor, where + 1) if opening else -1
-    start = k + len(opening) if k >= 0 else where          # what the model writes after the opening
-    a = int(np.searchsorted(ends, start, side="right"))     # the first token overlapping it
-    c = int(np.searchsorted(ends, where + size, side="left"))
-    eot = next((j for j in range(c, len(ids)) if ids[j] in turn_ends), None)
+def _turn(full, ids, starts, ends, cursor, opening, content, turn_ends, i):
+    """(first trained token, its end-of-turn token) of assistant turn i, the previous turn ending at `cursor`."""
+    k = full.find(opening, cursor) if opening else -1
+    start = k + len(opening) if k >= 0 else cursor
+    a = int(np.searchsorted(ends, start, side="right"))     # the first token overlapping what follows the opening
+    eot = next((j for j in range(a, len(ids)) if ids[j] in turn_ends), None)
     if eot is None:
         raise SkipSample("template", f"assistant turn {i}: no end-of-turn token {sorted(turn_ends)} follows it in "
                          "the rendered chat")
-    return a, eot + 1
+    stop = int(starts[eot])
+    where = max((full.rfind(t, start, stop) for t in _answer_texts(content)), default=-1)
+    if where < 0:
+        raise SkipSample("template", f"assistant turn {i}: its text is not in the chat as the template renders "
+                         "it, so its tokens cannot be located")
+    if k < 0:          # no generation prompt: the turn opens where the answer's text does
+        a = int(np.searchsorted(ends, where, side="right"))
+    return a, eot

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kdcache.common.batching import budget_groups
-from kdcache.common.heads import logit_transform
+from kdcache.common.heads import check_head, decoder_of, logit_transform
 
 from .teacher import Scored
 
@@ -27,6 +27,13 @@ class HFTeacher:
             model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code).to(self.device).eval()
         self.batch_tokens = batch_tokens
         self.transform = logit_transform(self.model.config)   # soft-capping, scaling: the model's own logits
+        # The fused path (decoder, then lm_head on the scored positions only) where it gives the model's own
+        # logits; else the model's forward, which builds [B, T, V] logits for every token of the batch.
+        self.own_forward = check_head(self.model, self.transform)
+        if self.own_forward:
+            print(f"kdcache: teacher {model_path}: {self.own_forward}; scoring through the model's own forward "
+                  f"(logits for every token: {4 * self.model.config.get_text_config().vocab_size:,} bytes per "
+                  "token of a batch in float32)", flush=True)
 
     @torch.no_grad()
     def score(self, seqs, positions, k):
@@ -39,14 +46,20 @@ class HFTeacher:
             for r, i in enumerate(idx):
                 ids[r, :len(seqs[i])] = torch.from_numpy(np.asarray(seqs[i], dtype=np.int64))
                 mask[r, :len(seqs[i])] = 1
-            hidden = self.model.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)
-                                      ).last_hidden_state                     # (B, T, H)
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            if self.own_forward:
+                full = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits   # (B, T, V)
+            else:
+                hidden = decoder_of(self.model)(input_ids=ids, attention_mask=mask).last_hidden_state   # (B, T, H)
             head = self.model.get_output_embeddings()
             for r, i in enumerate(idx):
                 pos = torch.as_tensor(np.array(positions[i], dtype=np.int64), device=self.device)
-                logits = head(hidden[r, pos]).float()                          # (P, V)
-                if self.transform is not None:
-                    logits = self.transform(logits)
+                if self.own_forward:
+                    logits = full[r, pos].float()                               # (P, V)
+                else:
+                    logits = head(hidden[r, pos]).float()                       # (P, V)
+                    if self.transform is not None:
+                        logits = self.transform(logits)
                 lp = torch.log_softmax(logits, dim=-1)
                 top_lp, top_ids = lp.topk(k, dim=-1)                           # (P, k), sorted descending
                 targets = torch.as_tensor(np.asarray(seqs[i], dtype=np.int64), device=self.device)[pos + 1]

@@ -10,8 +10,17 @@ distribution predicting prompt token j, keyed by token id (as a string) with its
 entry holds the prompt token (any rank) and ranks 1..k. Our position t predicts token t+1: it reads entry t+1.
 
 Standard library only (http.client and a thread pool): `requests_in_flight` requests per worker, retries
-with exponential backoff on connection errors, timeouts, 5xx, 408 and 429 for up to `retry_s`; any other
-4xx is the server refusing one sequence, raised as SampleFailed (the worker names the sample).
+with exponential backoff on connection errors, timeouts, 5xx, 408 and 429 for up to `retry_s` (attempts
+included); any other 4xx is the server refusing one sequence, raised as SampleFailed (the worker names the
+sample). Each attempt has one deadline, `timeout_s`, across connecting, sending and every read (a server that
+trickles a byte a second cannot hold it longer), and an answer larger than the request can need (from k and
+the sequence's length) is refused before it is read whole.
+
+Nothing the server says is trusted: an id key that is not a canonical non-negative integer, a log-prob that is
+not a finite number <= 0 (vLLM writes -inf as -9999), an id twice in a row, a missing echo of the prompt ids,
+more generated ids than max_tokens or a stop id before the last one: each is a BadAnswer naming the server,
+and the worker names the sample. The mass and id checks every backend's records pass are the writer's
+(cache_format.record.check_record).
 """
 import http.client
 import json
@@ -35,6 +44,30 @@ RETRYABLE = {408, 429}   # and every 5xx
 
 class ServerError(KdcacheError):
     """The teacher server cannot be reached, keeps failing, or is not a vLLM server serving one model."""
+
+
+class BadAnswer(SampleFailed, ServerError):
+    """The server's answer for one sequence is malformed (the worker names the sample)."""
+
+
+def _id(key, prefix=""):
+    """A token id from the server's key `prefix<id>`: only the canonical spelling of a non-negative integer."""
+    digits = key[len(prefix):] if isinstance(key, str) and key.startswith(prefix) else None
+    if digits is None or not digits.isdigit() or not digits.isascii() or digits != str(int(digits)):
+        raise BadAnswer(f"a token id key {key!r} is not {prefix or ''}<a non-negative integer without leading zeros>")
+    return int(digits)
+
+
+def _logprob(value, where):
+    """A log-prob the server gave: a finite number <= 0, or its -9999 for -inf."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value > 1e-4:
+        raise BadAnswer(f"{where}: log-prob {value!r} is not a finite number <= 0")
+    return float(value)
+
+
+def max_answer_bytes(positions, k):
+    """The most an answer about `positions` positions of k entries each can need (JSON of generous size)."""
+    return 65536 + int(positions) * (int(k) + 2) * 400
 
 
 def _env_float(name, default):
@@ -74,13 +107,35 @@ class Client:
         if c is not None:
             c.close()
 
-    def _once(self, method, path, body):
+    def _once(self, method, path, body, deadline, max_bytes):
+        """(status, body) of one attempt, all of it before `deadline` (time.monotonic()); TimeoutError past it.
+        A body over max_bytes is refused (BadAnswer) as soon as it is larger."""
         conn = self._conn()
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
+
+        def left():
+            rest = deadline - time.monotonic()
+            if rest <= 0:
+                raise TimeoutError(f"no whole answer within {self.timeout_s:g} s (KDCACHE_SERVED_TIMEOUT_S)")
+            if conn.sock is not None:
+                conn.sock.settimeout(rest)
+            return rest
         try:
+            conn.timeout = left()
             conn.request(method, path, body=body, headers=headers)
+            left()
             resp = conn.getresponse()
-            data = resp.read()
+            chunks, size = [], 0
+            while True:
+                left()
+                chunk = resp.read1(65536) if hasattr(resp, "read1") else resp.read(65536)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if max_bytes and size > max_bytes:
+                    raise BadAnswer(f"the answer is over {max_bytes:,} bytes, more than this request can need")
+                chunks.append(chunk)
+            data = b"".join(chunks)
         except BaseException:
             self._drop()
             raise
@@ -88,17 +143,23 @@ class Client:
             self._drop()
         return resp.status, data
 
-    def request(self, method, route, payload=None, *, what="request", api=True, say=None):
-        """The decoded JSON answer of a 2xx. Retries transient failures (say(message) at the first one, if given);
-        raises SampleFailed on other 4xx (`what` names the request in the message) and ServerError once retrying
-        is over."""
+    def request(self, method, route, payload=None, *, what="request", api=True, say=None, max_bytes=None):
+        """The decoded JSON answer of a 2xx. Retries transient failures (say(message) at the first one, if given)
+        while the retry budget lasts, attempts included; raises SampleFailed on other 4xx (`what` names the request
+        in the message) and ServerError once retrying is over. max_bytes: the largest answer accepted."""
         path = (self.api if api else self.root) + route
         body = None if payload is None else json.dumps(payload).encode()
         t0, delay, attempt = time.monotonic(), 0.5, 0
         while True:
             attempt += 1
+            # The first attempt may take timeout_s (a long queue on the server is normal); a retry only what is
+            # left of the retry budget.
+            budget = self.timeout_s if attempt == 1 else max(0.5, min(self.timeout_s, t0 + self.retry_s -
+                                                                     time.monotonic()))
             try:
-                status, data = self._once(method, path, body)
+                status, data = self._once(method, path, body, time.monotonic() + budget, max_bytes)
+            except BadAnswer as e:
+                raise BadAnswer(f"the teacher server at {self.url} ({what}): {e}") from None
             except (OSError, http.client.HTTPException) as e:
                 problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             else:
@@ -112,11 +173,11 @@ class Client:
                                        f"{method} {self.url_of(path)}): {_error_message(data)}")
                 else:
                     problem = f"HTTP {status}: {_error_message(data)}"
-            waited = time.monotonic() - t0
+            waited = time.monotonic() - t0          # attempts and waits alike
             if say and attempt == 1:
                 say(f"the teacher server at {self.url} did not answer the {what} ({problem}); retrying for up to "
                     f"{self.retry_s:g} s (KDCACHE_SERVED_RETRY_S)")
-            if waited + delay > self.retry_s:
+            if waited + delay >= self.retry_s:
                 raise ServerError(
                     f"the teacher server at {self.url} failed the {what} {attempt} time(s) over {waited:.0f} s "
                     f"(last: {problem}); giving up after KDCACHE_SERVED_RETRY_S={self.retry_s:g} s. Check that "
@@ -235,13 +296,21 @@ class ServedTeacher:
                                f"{self.max_model_len}: a scoring request needs at most {self.max_model_len - 1}")
         body = {"model": self.model, "prompt": seq.tolist(), "max_tokens": 1, "prompt_logprobs": int(k),
                 "return_token_ids": True, "temperature": 1.0, "top_p": 1.0, **NEUTRAL}
-        choice = _choice(self.client.request("POST", "/completions", body,
-                                             what=f"scoring request ({len(seq)} tokens, prompt_logprobs={k})"))
-        echoed = choice.get("prompt_token_ids")
-        if echoed is not None and echoed != body["prompt"]:
-            raise SampleFailed("the teacher server scored other token ids than it was sent (it reports "
-                               f"{len(echoed)} prompt tokens for {len(seq)} sent)")
-        return parse_prompt_logprobs(choice.get("prompt_logprobs"), seq, pos, k)
+        what = f"scoring request ({len(seq)} tokens, prompt_logprobs={k})"
+        choice = _choice(self.client.request("POST", "/completions", body, what=what,
+                                             max_bytes=max_answer_bytes(len(seq), k)))
+        try:
+            echoed = choice.get("prompt_token_ids")
+            if echoed is None:
+                raise BadAnswer("no prompt_token_ids in the answer, although return_token_ids was sent (it needs "
+                                "vLLM 0.10.2 or later): nothing shows which ids were scored")
+            if echoed != body["prompt"]:
+                raise BadAnswer("it scored other token ids than it was sent (it reports "
+                                f"{len(echoed) if isinstance(echoed, list) else echoed!r} prompt tokens for "
+                                f"{len(seq)} sent)")
+            return parse_prompt_logprobs(choice.get("prompt_logprobs"), seq, pos, k)
+        except BadAnswer as e:
+            raise BadAnswer(f"the teacher server at {self.client.url} ({what}): {e}") from None
 
     def _generate_one(self, prompt, budget, seed, temperature, top_p, stop, eos, k=None):
         """(new ids, ended), and their Scored when k is given (the request then asks for `logprobs` k)."""
@@ -253,14 +322,14 @@ class ServedTeacher:
         if k is not None:
             body.update(logprobs=int(k), return_tokens_as_token_ids=True)
         what = f"generation request ({len(prompt)} prompt tokens{'' if k is None else f', logprobs={k}'})"
-        choice = _choice(self.client.request("POST", "/completions", body, what=what))
-        new = choice.get("token_ids")
-        if not isinstance(new, list):
-            raise ServerError(f"the teacher server at {self.client.url} returned no token_ids for a generation "
-                              "request (return_token_ids needs vLLM 0.10.2 or later)")
-        new = [int(t) for t in new]
-        ended = bool(new) and new[-1] in eos
-        return (new, ended) if k is None else (new, ended, parse_step_logprobs(choice.get("logprobs"), new, k))
+        choice = _choice(self.client.request("POST", "/completions", body, what=what,
+                                             max_bytes=max_answer_bytes(int(budget), k or 1)))
+        try:
+            new = generated_ids(choice.get("token_ids"), int(budget), eos)
+            ended = bool(new) and new[-1] in eos
+            return (new, ended) if k is None else (new, ended, parse_step_logprobs(choice.get("logprobs"), new, k))
+        except BadAnswer as e:
+            raise BadAnswer(f"the teacher server at {self.client.url} ({what}): {e}") from None
 
     def _map(self, fn, xs, ys):
         """fn over the pairs, at most requests_in_flight at once, results in order. The first failure cancels what has
@@ -286,9 +355,25 @@ class ServedTeacher:
 
 def _choice(resp):
     choices = resp.get("choices") if isinstance(resp, dict) else None
-    if not choices:
-        raise ServerError(f"the teacher server answered without choices: {str(resp)[:300]}")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise BadAnswer(f"the teacher server answered without choices: {str(resp)[:300]}")
     return choices[0]
+
+
+def generated_ids(new, budget, stops):
+    """The ids a generation answer reports: ints, at most `budget` of them, a stop id only as the last."""
+    if not isinstance(new, list):
+        raise BadAnswer("no token_ids in the answer to a generation request (return_token_ids needs vLLM 0.10.2 or "
+                        "later)")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in new):
+        raise BadAnswer(f"token_ids hold something other than non-negative integers: {new[:8]!r}")
+    if len(new) > budget:
+        raise BadAnswer(f"{len(new)} token ids generated, more than the {budget} asked for (max_tokens)")
+    early = [j for j, t in enumerate(new[:-1]) if t in stops]
+    if early:
+        raise BadAnswer(f"a stop id ({new[early[0]]}) at generated step {early[0]} of {len(new)}: generation goes "
+                        "on past the job's end-of-turn ids")
+    return list(new)
 
 
 def parse_prompt_logprobs(plp, seq, positions, k):
@@ -301,8 +386,8 @@ def parse_prompt_logprobs(plp, seq, positions, k):
     seq = np.asarray(seq)
     if not isinstance(plp, list) or len(plp) != len(seq):
         n = len(plp) if isinstance(plp, list) else None
-        raise ServerError(f"the teacher server returned prompt_logprobs for {n} positions, expected {len(seq)} "
-                          "(is it vLLM, started with --max-logprobs at least top_k?)")
+        raise BadAnswer(f"the teacher server returned prompt_logprobs for {n} positions, expected {len(seq)} "
+                        "(is it vLLM, started with --max-logprobs at least top_k?)")
     P = len(positions)
     ids = np.empty((P, k), dtype=np.int32)
     lps = np.empty((P, k), dtype=np.float32)
@@ -313,7 +398,12 @@ def parse_prompt_logprobs(plp, seq, positions, k):
             raise ServerError(f"the teacher server returned no prompt logprobs at position {t + 1}")
         slots, t_lp = [None] * k, None
         for key, v in entry.items():
-            tid, rank, lp = int(key), v.get("rank"), float(v["logprob"])
+            if not isinstance(v, dict) or "logprob" not in v:
+                raise BadAnswer(f"prompt position {t + 1}: the entry of {key!r} is {v!r}, not {{logprob, rank}}")
+            tid, rank = _id(key), v.get("rank")
+            lp = _logprob(v["logprob"], f"prompt position {t + 1}, token {tid}")
+            if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+                raise BadAnswer(f"prompt position {t + 1}, token {tid}: rank {rank!r} is not an integer")
             if tid == target:
                 t_lp = lp
             # A prompt token that ties a top-k token can share its rank: the top-k token keeps the slot.
@@ -321,8 +411,10 @@ def parse_prompt_logprobs(plp, seq, positions, k):
                 slots[rank - 1] = (tid, lp)
         if t_lp is None or any(s is None for s in slots):
             got = sum(s is not None for s in slots)
-            raise ServerError(f"the teacher server gave {got} of the top-{k} entries at a prompt position, "
-                              f"{'with' if t_lp is not None else 'without'} the prompt token")
+            raise BadAnswer(f"the teacher server gave {got} of the top-{k} entries at a prompt position, "
+                            f"{'with' if t_lp is not None else 'without'} the prompt token")
+        if len({s[0] for s in slots}) < k:
+            raise BadAnswer(f"prompt position {t + 1}: one token id at two ranks of the top-{k}")
         ids[row] = [s[0] for s in slots]
         lps[row] = [s[1] for s in slots]
         target_lp[row] = t_lp
@@ -339,21 +431,24 @@ def parse_step_logprobs(logprobs, new_ids, k):
     tops = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
     own = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
     if not isinstance(tops, list) or not isinstance(own, list) or len(tops) != n or len(own) != n:
-        raise ServerError(f"the teacher server returned logprobs for {len(tops) if isinstance(tops, list) else None}"
-                          f" generated steps, expected {n} (is it vLLM, started with --max-logprobs at least top_k?)")
+        raise BadAnswer(f"the teacher server returned logprobs for {len(tops) if isinstance(tops, list) else None}"
+                        f" generated steps, expected {n} (is it vLLM, started with --max-logprobs at least top_k?)")
     ids = np.empty((n, k), dtype=np.int32)
     lps = np.empty((n, k), dtype=np.float32)
     for j, entry in enumerate(tops):
         if not isinstance(entry, dict) or len(entry) < k:
-            raise ServerError(f"the teacher server gave {len(entry) if isinstance(entry, dict) else 0} entries "
-                              f"at generated step {j}, expected the top-{k}")
+            raise BadAnswer(f"the teacher server gave {len(entry) if isinstance(entry, dict) else 0} entries "
+                            f"at generated step {j}, expected the top-{k}")
         pairs = []
         for key, lp in entry.items():
             if not (isinstance(key, str) and key.startswith("token_id:")):
-                raise ServerError(f"the teacher server named a token {key!r}, not 'token_id:<id>' (it needs "
-                                  "return_tokens_as_token_ids: vLLM 0.5 or later)")
-            pairs.append((-float(lp), int(key[len("token_id:"):])))
+                raise BadAnswer(f"the teacher server named a token {key!r}, not 'token_id:<id>' (it needs "
+                                "return_tokens_as_token_ids: vLLM 0.5 or later)")
+            pairs.append((-_logprob(lp, f"generated step {j}"), _id(key, "token_id:")))
+        if len({t for _, t in pairs}) < len(pairs):
+            raise BadAnswer(f"generated step {j}: one token id twice")
         pairs.sort()                                   # by log-prob, highest first; ties by id
         ids[j] = [t for _, t in pairs[:k]]
         lps[j] = [-lp for lp, _ in pairs[:k]]
-    return Scored(ids, lps, np.asarray([float(x) for x in own], dtype=np.float32))
+    return Scored(ids, lps, np.asarray([_logprob(x, f"generated step {j}") for j, x in enumerate(own)],
+                                       dtype=np.float32))

@@ -27,11 +27,30 @@ from kdcache.common.errors import TrainDataError
 CKPT_DIR = "checkpoints"
 RUN_FILE = "run_id.json"     # beside checkpoints/, not in it: that directory holds only step-* entries
 TAG = "state"
-_NAME = re.compile(r"^step-(\d{8})$")
+# step-00000012, or step-00000012-1a2b3c4d where another run's checkpoint of that step already has the name.
+_NAME = re.compile(r"^step-(\d{8})(?:-[0-9a-f]{8})?$")
 
 
-def step_dir(out, step):
-    return os.path.join(out, CKPT_DIR, f"step-{step:08d}")
+def step_dir(out, step, run_id=None):
+    return os.path.join(out, CKPT_DIR, f"step-{step:08d}" + (f"-{run_id[:8]}" if run_id else ""))
+
+
+def _run_of(path):
+    try:
+        with open(os.path.join(path, "complete.json")) as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def _final_dir(out, step, run_id):
+    """Where this run's checkpoint of `step` goes: step-N, unless another run's checkpoint is there (a run started
+    with --resume PATH from an older step reaches steps the old run saved): then step-N-<run id>. Nothing of
+    another run is ever replaced."""
+    plain = step_dir(out, step)
+    if not os.path.lexists(plain) or (run_id and _run_of(plain) == run_id):
+        return plain
+    return step_dir(out, step, run_id or "00000000")
 
 
 def _checkpoints(out):
@@ -185,14 +204,18 @@ def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, k
         fsync_tree(tmp)
         atomic_write_bytes(os.path.join(tmp, "complete.json"),
                            json.dumps({"step": step, "world_size": world, "data": order, "run_id": run_id}).encode())
-        final = step_dir(out, step)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        final = _final_dir(out, step, run_id)
+        if os.path.lexists(final):      # this run's own step, saved again: the old copy aside first, never a gap
+            old = f"{final}.old-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
         fsync_path(os.path.dirname(final))
         _prune(out, run_id, step, keep)
     barrier()
-    return step_dir(out, step)
+    return _final_dir(out, step, read_run_id(out))
 
 
 def _prune(out, run_id, step, keep):

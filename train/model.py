@@ -6,7 +6,7 @@ from torch import nn
 
 from kdcache.cache_format.tokenizer_id import diff_identity, tokenizer_identity
 from kdcache.common.errors import TokenizerMismatch
-from kdcache.common.heads import logit_transform
+from kdcache.common.heads import check_head, decoder_of, logit_transform
 
 from .batch import Batch
 from .losses import LossConfig, chunked_kd_loss, kd_loss_from_logits
@@ -53,15 +53,28 @@ class DistillModule(nn.Module):
     """
 
     def __init__(self, model, loss_cfg: LossConfig, chunked=True):
+        """chunked: the fused, chunked head + loss (at most one [chunk, V] block of logits at a time). Where
+        lm_head plus the known transform is not what the model's forward returns (heads.check_head, asked once
+        here, before DeepSpeed partitions anything), the loss takes the model's own logits instead: [R, T, V]
+        for every token of the micro-batch, in the model's dtype, plus their gradient."""
         super().__init__()
-        self.model, self.loss_cfg, self.chunked = model, loss_cfg, chunked
+        self.model, self.loss_cfg = model, loss_cfg
         self.transform = logit_transform(model.config)   # soft-capping, scaling: the model's own logits
+        self.own_forward = check_head(model, self.transform)
+        if self.own_forward:
+            print(f"kdcache: student {type(model).__name__}: {self.own_forward}; training on the model's own "
+                  "forward ([R, T, V] logits per micro-batch, not --loss-chunk rows at a time)", flush=True)
+        self.chunked = chunked and not self.own_forward
 
     def forward(self, b: Batch):
-        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         # use_cache=False: no KV cache in training, and transformers only detects packed rows without one.
-        hidden = base(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-                      use_cache=False).last_hidden_state                                        # (R, T, H)
+        if self.own_forward:
+            out = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
+                             use_cache=False).logits                                           # (R, T, V)
+            return kd_loss_from_logits(out[b.batch_index, b.positions], b.topk_ids, b.topk_logprobs, b.tail_mass,
+                                       b.targets, self.loss_cfg)
+        hidden = decoder_of(self.model)(input_ids=b.input_ids, attention_mask=b.attention_mask,
+                                        position_ids=b.position_ids, use_cache=False).last_hidden_state  # (R, T, H)
         h = hidden[b.batch_index, b.positions]                                                 # (N, H)
         head = self.model.get_output_embeddings()
         if self.chunked:

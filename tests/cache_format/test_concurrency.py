@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from kdcache.cache_format import open_cache, write_cache
+from kdcache.cache_format import ManifestMissing, open_cache, write_cache
 from tests.helpers.records import make_records, writer_kwargs
 
 
@@ -24,13 +24,17 @@ def _poll_growing(path, q, timeout=300):
     while time.time() - t0 < timeout:
         try:
             cache = open_cache(path)
-        except Exception:           # before the first manifest exists
+        except ManifestMissing:     # before the first manifest exists
+            time.sleep(0.05)
+            continue
+        except Exception as e:      # a torn or half-written manifest: what this test exists to catch
+            problems.append(("open", f"{type(e).__name__}: {e}"))
             time.sleep(0.05)
             continue
         for j in range(cache.num_shards):
             n = sum(1 for _ in cache.iter_shard(j))
-            if n != cache.shards[j]["num_samples"]:
-                problems.append((cache.shards[j]["path"], n))
+            if n != cache.shards[j].num_samples:
+                problems.append((cache.shards[j].path, n))
         seen = max(seen, cache.num_shards)
         if cache.complete:
             break

@@ -262,12 +262,12 @@ def test_resume_with_another_shard_size_is_refused_and_loses_nothing(mixed, tmp_
     monkeypatch.setenv("KDCACHE_CRASH_AT", "before-replace-manifest.json@3")    # shard 0 committed, then killed
     assert precompute(*args).returncode != 0
     monkeypatch.delenv("KDCACHE_CRASH_AT")
-    assert [s["index"] for s in open_cache(tmp_path / "c").shards] == [0]
+    assert [s.index for s in open_cache(tmp_path / "c").shards] == [0]
     other = list(args)
     other[other.index("--shard-size") + 1] = 5
     res = precompute(*other)
     assert res.returncode == 2 and "Resume with --shard-size 3" in res.stderr, res.stderr[-2000:]
-    assert [s["index"] for s in open_cache(tmp_path / "c").shards] == [0]         # the refusal wrote nothing
+    assert [s.index for s in open_cache(tmp_path / "c").shards] == [0]         # the refusal wrote nothing
     assert precompute(*args).returncode == 0
     a, b = open_cache(mixed["out"]), open_cache(tmp_path / "c")
     assert b.complete and [r.sample_id for r in a] == [r.sample_id for r in b]

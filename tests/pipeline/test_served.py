@@ -17,6 +17,7 @@ from kdcache.common.errors import ConfigError
 from kdcache.pipeline import teacher as teacher_mod
 from kdcache.pipeline.teacher import SampleFailed
 from kdcache.pipeline.teacher_served import (
+    BadAnswer,
     Client,
     ServedTeacher,
     ServerError,
@@ -141,8 +142,9 @@ class FakeServer:
     """A tiny OpenAI-compatible server on 127.0.0.1: answers `plan` statuses in order for POST /v1/completions,
     then 200 with a scoring answer; /v1/models and /version as vLLM does."""
 
-    def __init__(self, plan=()):
-        self.plan, self.posts = list(plan), []
+    def __init__(self, plan=(), answer=None):
+        """answer(body, choice) -> choice: what a misbehaving server changes in the answer it would give."""
+        self.plan, self.posts, self.answer = list(plan), [], answer
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -174,10 +176,13 @@ class FakeServer:
                 prompt = body["prompt"]
                 plp = [None] + [{str(t): {"logprob": -0.5, "rank": 1}} for t in prompt[1:]]   # k = 1, target rank 1
                 if body.get("logprobs"):            # generation with step log-probs: STEP_ANSWER, as vLLM writes it
-                    return self._send(200, {"choices": [{"index": 0, "text": "", "token_ids": [9, 7],
-                                                         "logprobs": STEP_ANSWER}]})
-                self._send(200, {"choices": [{"index": 0, "text": "", "prompt_logprobs": plp,
-                                              "prompt_token_ids": prompt, "token_ids": [7]}]})
+                    choice = {"index": 0, "text": "", "token_ids": [9, 7], "logprobs": STEP_ANSWER}
+                else:
+                    choice = {"index": 0, "text": "", "prompt_logprobs": plp, "prompt_token_ids": prompt,
+                              "token_ids": [7]}
+                if outer.answer is not None:
+                    choice = outer.answer(body, json.loads(json.dumps(choice)))
+                self._send(200, {"choices": [choice]})
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
@@ -192,8 +197,8 @@ class FakeServer:
 def fake():
     servers = []
 
-    def make(plan=()):
-        servers.append(FakeServer(plan))
+    def make(plan=(), answer=None):
+        servers.append(FakeServer(plan, answer))
         return servers[-1]
     yield make
     for s in servers:
@@ -459,3 +464,170 @@ def test_server_killed_mid_job_then_restarted_loses_nothing(served, served_cache
         np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
         np.testing.assert_array_equal(a.topk_logprobs, b.topk_logprobs)
         np.testing.assert_array_equal(a.target_logprobs, b.target_logprobs)
+
+
+# ---------------------------------------------------------------- a server whose numbers are not to be trusted
+
+
+def _entry(**v):
+    return [None, {"9": {"logprob": -0.5, "rank": 1, **v}}]
+
+
+@pytest.mark.parametrize("plp,why", [
+    ([None, {"09": {"logprob": -0.5, "rank": 1}}], r"key '09' is not"),
+    ([None, {"9": {"logprob": -0.5, "rank": 1}, "09": {"logprob": -0.6, "rank": 2}}], r"key '09' is not"),
+    ([None, {"-1": {"logprob": -0.5, "rank": 1}}], r"key '-1' is not"),
+    ([None, {" 9": {"logprob": -0.5, "rank": 1}}], r"key ' 9' is not"),
+    (_entry(logprob=float("nan")), r"log-prob nan is not a finite number"),
+    (_entry(logprob=0.7), r"log-prob 0.7 is not a finite number <= 0"),
+    (_entry(logprob="-0.5"), r"log-prob '-0.5' is not"),
+    (_entry(rank="1"), r"rank '1' is not an integer"),
+    ([None, {"9": {"rank": 1}}], r"not \{logprob, rank\}"),
+    ([None, {"9": -0.5}], r"not \{logprob, rank\}"),
+])
+def test_the_prompt_parser_refuses_a_malformed_answer(plp, why):
+    with pytest.raises(BadAnswer, match=why):
+        parse_prompt_logprobs(plp, [0, 9], np.array([0]), 1)
+
+
+def test_the_step_parser_refuses_non_canonical_ids_duplicates_and_nan():
+    twice = dict(STEP_ANSWER, top_logprobs=[{"token_id:9": -0.1, "token_id:09": -2.5},
+                                            STEP_ANSWER["top_logprobs"][1]])
+    with pytest.raises(BadAnswer, match="'token_id:09' is not"):
+        parse_step_logprobs(twice, [9, 7], 2)
+    with pytest.raises(BadAnswer, match="generated step 1: log-prob nan"):
+        parse_step_logprobs(dict(STEP_ANSWER, token_logprobs=[-0.1, float("nan")]), [9, 7], 2)
+
+
+def _score_with(fake, answer):
+    srv = fake(answer=answer)
+    t = ServedTeacher(srv.url)
+    try:
+        with pytest.raises(SampleFailed) as e:
+            t.score([np.array([1, 2, 3], np.int32)], [np.array([0, 1])], 1)
+    finally:
+        t.close()
+    assert e.value.index == 0 and srv.url in str(e.value)          # the worker names the sample; this names the server
+    return str(e.value)
+
+
+def test_a_missing_echo_of_the_prompt_ids_is_refused(fake):
+    def no_echo(body, choice):
+        choice.pop("prompt_token_ids")
+        return choice
+    assert "no prompt_token_ids in the answer" in _score_with(fake, no_echo)
+
+
+def test_a_wrong_length_answer_names_the_server_and_the_sample(fake):
+    def short(body, choice):
+        choice["prompt_logprobs"] = choice["prompt_logprobs"][:2]
+        return choice
+    msg = _score_with(fake, short)
+    assert "prompt_logprobs for 2 positions, expected 3" in msg
+    samples = [SimpleNamespace(sample_id=41, input_ids=np.arange(3))]
+    with pytest.raises(SampleFailed, match=r"^sample 41 "):
+        raise SampleFailed(msg, index=0).named(samples)
+
+
+def test_a_distribution_that_sums_past_one_is_refused_by_every_backend():
+    """check_record, the writer's rule for every backend: what verify would later fail is never written."""
+    from kdcache.cache_format import Record
+    from kdcache.cache_format.errors import RecordError
+    from kdcache.cache_format.record import check_record
+    ids, pos = np.array([1, 2, 3, 4], np.int32), np.array([0, 1], np.int32)
+
+    def rec(tid, tlp):
+        return Record(0, ids, pos, np.array(tid, np.int32), np.log(np.array(tlp, np.float64)).astype(np.float32))
+    check_record(rec([[5, 6], [7, 8]], [[0.6, 0.3], [0.5, 0.4999]]), 2, 300)            # a distribution: kept
+    with pytest.raises(RecordError, match=r"position 1: its top-2 probabilities sum to 1.200000"):
+        check_record(rec([[5, 6], [7, 8]], [[0.6, 0.3], [0.7, 0.5]]), 2, 300)
+    with pytest.raises(RecordError, match="position 0 lists token id 5 twice"):
+        check_record(rec([[5, 5], [7, 8]], [[0.5, 0.3], [0.5, 0.3]]), 2, 300)
+    padded = Record(0, ids, pos, np.array([[5, -1], [7, 8]], np.int32),
+                    np.array([[-0.1, -np.inf], [-0.7, -0.9]], np.float32))
+    with pytest.raises(RecordError, match=r"position 0 has an unused slot \(id -1\).*no top_p"):
+        check_record(padded, 2, 300)
+    assert check_record(padded, 2, 300, ragged=True).topk_ids[0, 1] == -1             # a top-p cache's rows
+
+
+@pytest.mark.parametrize("ids,why", [([9, 9, 9, 9], "4 token ids generated, more than the 3"),
+                                     ([7, 9], r"a stop id \(7\) at generated step 0"),
+                                     ([9, "7"], "something other than non-negative integers")])
+def test_generate_mode_refuses_too_many_ids_and_a_stop_id_before_the_end(fake, ids, why):
+    def answer(body, choice):
+        choice["token_ids"] = ids
+        return choice
+    srv = fake(answer=answer)
+    t = ServedTeacher(srv.url)
+    try:
+        with pytest.raises(BadAnswer, match=why):
+            t.generate([np.array([4, 5], np.int32)], max_new_tokens=[3], temperature=0.0, top_p=1.0, seeds=[1],
+                       turn_ends={7})
+    finally:
+        t.close()
+
+
+class TrickleServer:
+    """A server on 127.0.0.1 that answers every request with headers, then one body byte every `every` s for at most
+    `for_s` s (bounded), or a body of `size` bytes at once."""
+
+    def __init__(self, every=0.3, for_s=20.0, size=0):
+        import socket
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
+        self.every, self.for_s, self.size, self.stop = every, for_s, size, threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn):
+        try:
+            conn.recv(65536)
+            n = self.size or 10_000
+            conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {n}\r\n\r\n".encode())
+            if self.size:
+                conn.sendall(b"[" + b"0," * ((n - 2) // 2) + b"0]")
+                return
+            t_end = time.monotonic() + self.for_s
+            while time.monotonic() < t_end and not self.stop.is_set():
+                conn.sendall(b" ")
+                time.sleep(self.every)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self.stop.set()
+        self.sock.close()
+
+
+def test_a_server_that_trickles_bytes_cannot_hold_a_request_past_its_deadline():
+    srv = TrickleServer(every=0.3, for_s=30)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ServerError, match=r"failed the request \d time\(s\).*TimeoutError"):
+            Client(srv.url, timeout_s=1.5, retry_s=2.0).request("POST", "/completions", {"prompt": [1]})
+        took = time.monotonic() - t0
+    finally:
+        srv.close()
+    assert took < 6.0, took           # the first attempt 1.5 s, the retries within the 2 s budget (a byte every 0.3 s
+    #                                   is under any per-read timeout: without a deadline this waited 30 s)
+
+
+def test_an_answer_larger_than_the_request_can_need_is_refused_unread():
+    srv = TrickleServer(size=4_000_000)
+    try:
+        with pytest.raises(BadAnswer, match="over 100,000 bytes"):
+            Client(srv.url, timeout_s=10, retry_s=1).request("POST", "/completions", {"prompt": [1]},
+                                                             max_bytes=100_000)
+    finally:
+        srv.close()

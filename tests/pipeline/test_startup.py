@@ -77,7 +77,7 @@ def test_workers_get_shards_while_the_dataset_is_read_and_commit_after(tiny, tmp
     # The plan is the usual one: shard j = records [4j, 4j+4), all there, committed once each.
     cache = open_cache(out)
     assert cache.complete and [r.sample_id for r in cache] == list(range(len(rows)))
-    assert sorted((x["index"], x["sample_start"], x["sample_end"]) for x in cache.shards) == \
+    assert sorted((x.index, x.sample_start, x.sample_end) for x in cache.shards) == \
         [(j, 4 * j, 4 * j + 4) for j in range(50)]
     assert verify_cache(out).ok
     assert s["shards_this_run"] == 50 and s["records"] == 200 and s["skipped"] == {}

@@ -239,3 +239,23 @@ def test_more_saved_devices_than_present_restores_those_present(fake_cuda, monke
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     set_rng_state(st)
     assert [t.tolist() for t in fake_cuda[0]] == [CUDA[0].tolist()]
+
+
+def test_a_new_run_reaching_an_old_runs_step_keeps_both_checkpoints(tmp_path):
+    """--resume PATH from step 2 starts a new run; its step 4 must not delete the old run's step 4 (issue 23,
+    item 8: rmtree then replace lost it, and a kill between the two lost both)."""
+    out = tmp_path / "o"
+    resolve_resume(str(out), "auto")
+    save(out, 2)
+    old4 = save(out, 4)
+    first = checkpoint.read_run_id(str(out))
+    resolve_resume(str(out), checkpoint.step_dir(str(out), 2))        # a rewind: a new run
+    second = checkpoint.read_run_id(str(out))
+    assert second != first
+    new4 = save(out, 4)
+    assert new4 != old4 and os.path.basename(new4) == f"step-00000004-{second[:8]}"
+    assert meta(old4)["run_id"] == first and meta(new4)["run_id"] == second          # both complete, each its own
+    assert resolve_resume(str(out), "auto") == new4                 # the current run's latest
+    save(out, 4)                                                    # saved again: replaced in place, still one
+    assert sorted(os.listdir(out / checkpoint.CKPT_DIR)) == ["step-00000002", "step-00000004",
+                                                             f"step-00000004-{second[:8]}"]

@@ -516,3 +516,38 @@ def test_bf16_inputs_are_computed_in_float32():
     want, _ = kd_loss_from_logits(hidden.float() @ weight.float().T, ids, lp, tail, targets, cfg)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want)
+
+
+# 14. A student whose mass outside the top-k underflows keeps its tail bucket (issue 23, item 4).
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_collapsed_students_tail_bucket_is_charged(beta, chunked):
+    """Teacher: 0.7 on 4 ids, 0.3 outside. Student: every logit outside those 4 is 300 below them, so its mass there
+    (about 7 e^-300) is 0 in float32. The tail bucket exists (4 ids of 11) and the loss is the float64 bucket KL."""
+    n, v, k = 3, 11, 4
+    ids = torch.arange(k).repeat(n, 1)
+    lp = torch.full((n, k), math.log(0.7 / k))
+    tail = torch.full((n,), 0.3)
+    student = torch.full((n, v), -300.0)
+    student[:, :k] = 0.0
+    targets = torch.zeros(n, dtype=torch.long)
+    cfg = LossConfig(beta=beta, chunk_size=2)
+    if chunked:
+        eye = torch.eye(v)
+        loss, _ = chunked_kd_loss(student, eye, ids, lp, tail, targets, cfg)       # hidden @ I.T = the logits
+    else:
+        loss, _ = kd_loss_from_logits(student, ids, lp, tail, targets, cfg)
+    s = torch.log_softmax(student.double(), -1)
+    s_tail = torch.logsumexp(s[:, k:], -1)                                          # about -298, not -inf
+    log_s = torch.cat([s[:, :k], s_tail[:, None]], 1)
+    log_t = torch.cat([lp.double(), tail.double().log()[:, None]], 1)
+    if beta == 0.0:
+        want = (log_t.exp() * (log_t - log_s)).sum()
+    elif beta == 1.0:
+        want = (log_s.exp() * (log_s - log_t)).sum()
+    else:
+        m = torch.logsumexp(torch.stack([log_t + math.log(beta), log_s + math.log(1 - beta)]), 0)
+        want = (beta * (log_t.exp() * (log_t - m)).sum(-1) + (1 - beta) * (log_s.exp() * (log_s - m)).sum(-1)).sum()
+    assert float(loss) == pytest.approx(float(want), rel=1e-4)
+    if beta == 0.0:
+        assert float(loss) > 50 * n                # 0.3 x ~298 nats a position: not the 0.009 of a dropped bucket
