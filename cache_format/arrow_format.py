@@ -43,8 +43,14 @@ def schema(top_k, logprob_dtype, id_dtype):
                   "kdcache.rows_per_batch": str(ROWS_PER_BATCH), "kdcache.logprob_dtype": logprob_dtype})
 
 
+INT32_MAX = 2**31 - 1      # Arrow list offsets are int32: a record batch's column holds at most this many values
+
+
 def _batch(cols: layout.Columns, sch):
     entry = cols.entry_offsets
+    if max(int(entry[-1]), int(cols.token_offsets[-1]), int(cols.position_offsets[-1])) > INT32_MAX:
+        raise ShardError(f"{ROWS_PER_BATCH} samples hold {int(entry[-1]):,} top-k entries, more than an Arrow list "
+                         f"column's int32 offsets can address ({INT32_MAX:,}); write this cache with --format zarr")
     arrays = [pa.array(cols.sample_id, pa.int64()), pa.array(cols.truncated, pa.bool_())]
     for name, _, off in COLUMNS:
         offsets = entry if off == "entry_offsets" else getattr(cols, off)
@@ -65,7 +71,10 @@ def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_
             for i in range(0, len(records), ROWS_PER_BATCH):
                 cols = layout.encode(records[i:i + ROWS_PER_BATCH], top_k=top_k, logprob_dtype=logprob_dtype,
                                      id_dtype=id_dtype)
-                w.write_batch(_batch(cols, sch))
+                try:
+                    w.write_batch(_batch(cols, sch))
+                except ShardError as e:
+                    raise ShardError(f"{path}: {e}") from None
 
     return write_new(path, fill)
 

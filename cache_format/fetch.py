@@ -15,19 +15,20 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from kdcache.common.atomic import remove
+from kdcache.common.env import env_size
 
 from .errors import ShardError
 from .fingerprint import hash_tree
 from .lease import process_dir
 
-DEFAULT_BYTES = int(float(os.environ.get("KDCACHE_FETCH_BYTES", 8 * 2**30)))
+DEFAULT_BYTES = 8 * 2**30      # KDCACHE_FETCH_BYTES: 8G, 512M, ...
 RETRIES = 3
 
 
 class ShardFetcher:
     def __init__(self, loc, shards, *, directory=None, max_bytes=None, workers=4, pinned=None):
         self.loc, self.shards = loc, shards
-        self.max_bytes = int(max_bytes or DEFAULT_BYTES)
+        self.max_bytes = int(max_bytes or env_size("KDCACHE_FETCH_BYTES", DEFAULT_BYTES))
         self.dir = process_dir(directory or tempfile.gettempdir(), "kdcache-shards-")
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kdcache-fetch")

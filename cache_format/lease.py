@@ -22,9 +22,11 @@ import threading
 import time
 import uuid
 
+from kdcache.common.env import env_seconds
+
 from .errors import ConflictError, LockedError
 
-TTL = float(os.environ.get("KDCACHE_LEASE_TTL", "120"))
+TTL = 120.0        # seconds; KDCACHE_LEASE_TTL (120, 30s, 2m, ...) overrides it, read when a lease is made
 READERS_DIR = ".readers"
 LAST_USED = ".last_used.json"
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
@@ -167,7 +169,7 @@ class Lease:
 
     def __init__(self, loc, rel, *, exclusive, ttl=None):
         self.loc, self.rel, self.exclusive = loc, rel, exclusive
-        self.ttl = float(ttl or TTL)
+        self.ttl = float(ttl or env_seconds("KDCACHE_LEASE_TTL", TTL))
         self.owner = uuid.uuid4().hex
         self.started = time.time()
         self.generation = 0          # fencing token: one more than the holder it replaced (exclusive)

@@ -1,4 +1,4 @@
-"""One writer per cache directory, enforced with an advisory flock.
+"""One writer per directory (a cache, a training run's --out), enforced with an advisory flock.
 
 The kernel drops the lock when the holder dies (even by kill -9), so a crash
 never leaves a stale lock behind.
@@ -13,8 +13,10 @@ LOCK_NAME = ".writer.lock"
 
 
 class DirLock:
-    def __init__(self, directory):
-        self.path = os.path.join(directory, LOCK_NAME)
+    def __init__(self, directory, name=LOCK_NAME, refusal=None):
+        """refusal: what the error says after naming the holder (default: a cache's one-writer rule)."""
+        self.path = os.path.join(directory, name)
+        self.refusal = refusal or ("Only one writer may own a cache directory; wait for it to finish or stop it.")
         self._fd = None
 
     def acquire(self):
@@ -25,8 +27,8 @@ class DirLock:
             holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "unknown process"
             os.close(fd)
             raise LockedError(
-                f"{os.path.dirname(self.path)} is being written by another process ({holder}). "
-                "Only one writer may own a cache directory; wait for it to finish or stop it.") from None
+                f"{os.path.dirname(self.path)} is being written by another process ({holder}). {self.refusal}"
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
         os.fsync(fd)

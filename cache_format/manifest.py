@@ -211,7 +211,9 @@ def teacher_ce_text(m):
     st = cache_stats(m)
     if st["teacher_ce"] is None:
         return "not recorded"
-    return f"cross-entropy {st['teacher_ce']:.3f} nats/token, perplexity {st['teacher_ppl']:.2f}"
+    ppl = st["teacher_ppl"]
+    return f"cross-entropy {st['teacher_ce']:.3f} nats/token, perplexity " + (f"{ppl:.2f}" if ppl < 1e6 else
+                                                                             f"{ppl:.3e}")
 
 
 def _now():

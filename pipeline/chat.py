@@ -49,9 +49,15 @@ def turn_opening(tok, head):
     return prompt or (opened[k + len(last):] if k >= 0 else "")
 
 
-def chat_spans(tok, messages, turn_ends):
-    """(ids, [(a, b)]): the token ids of the rendered chat, and each assistant turn's trained targets [a, b)."""
+def chat_spans(tok, messages, turn_ends, max_chars=None):
+    """(ids, [(a, b)]): the token ids of the rendered chat, and each assistant turn's trained targets [a, b).
+
+    max_chars: the rendering is cut there before tokenizing (the sample is then longer than max_length anyway,
+    and the ids kept are the whole rendering's); a turn cut off is trained to the cut, turns after it not at all."""
     full = render(tok, messages)
+    cut = max_chars is not None and len(full) > max_chars
+    if cut:
+        full = full[:max_chars]
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     starts = np.array([a for a, _ in enc["offset_mapping"]])
@@ -62,7 +68,12 @@ def chat_spans(tok, messages, turn_ends):
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        a, eot = _turn(full, ids, starts, ends, cursor, opening, m["content"], turn_ends, i)
+        if cut and (opening and full.find(opening, cursor) < 0 or cursor >= len(full)):
+            break                        # this turn and the rest lie beyond the cut
+        a, eot = _turn(full, ids, starts, ends, cursor, opening, m["content"], turn_ends, i, cut)
+        if eot is None:                  # cut off before its end-of-turn token
+            spans.append((a, len(ids)))
+            break
         spans.append((a, eot + 1))
         cursor = int(ends[eot])
     return ids, spans
@@ -74,12 +85,15 @@ def _answer_texts(content):
     return content.strip(), content.split("</think>")[-1].strip()
 
 
-def _turn(full, ids, starts, ends, cursor, opening, content, turn_ends, i):
-    """(first trained token, its end-of-turn token) of assistant turn i, the previous turn ending at `cursor`."""
+def _turn(full, ids, starts, ends, cursor, opening, content, turn_ends, i, cut=False):
+    """(first trained token, its end-of-turn token) of assistant turn i, the previous turn ending at `cursor`;
+    the end-of-turn token is None where the rendering was cut before it."""
     k = full.find(opening, cursor) if opening else -1
     start = k + len(opening) if k >= 0 else cursor
     a = int(np.searchsorted(ends, start, side="right"))     # the first token overlapping what follows the opening
     eot = next((j for j in range(a, len(ids)) if ids[j] in turn_ends), None)
+    if eot is None and cut:
+        return a, None
     if eot is None:
         raise SkipSample("template", f"assistant turn {i}: no end-of-turn token {sorted(turn_ends)} follows it in "
                          "the rendered chat")

@@ -68,12 +68,17 @@ def _iter_jsonl(path):
                 data, error = None, f"invalid UTF-8 at byte {e.start}"
             except json.JSONDecodeError as e:
                 data, error = None, f"invalid JSON ({e.msg} at column {e.colno})"
+            except RecursionError:
+                data, error = None, "JSON nested too deeply to read"
             yield Row(index, where, data, error)
             index += 1
 
 
 def _parquet_batches(path):
-    yield from pq.ParquetFile(path).iter_batches(batch_size=1024)
+    try:
+        yield from pq.ParquetFile(path).iter_batches(batch_size=1024)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: cannot be read as Parquet ({type(e).__name__}: {e})") from None
 
 
 def _iter_table_rows(name, batches, start=0):

@@ -93,15 +93,20 @@ class Encoder:
         self.eos = int(tok.eos_token_id) if tok.eos_token_id is not None else min(self.turn_ends)
         self.text_end = document_end_id(tok) if text_end is None else int(text_end)
         self.drop_end_of_turn = drop_end_of_turn   # the bug other tools shipped; control experiments only
+        # Text beyond this many characters cannot reach max_length tokens' worth of the sample: no token covers
+        # more characters than its vocabulary string has, so it is cut before tokenizing (a 20 MB record costs
+        # no more than a sample of max_length tokens). The ids kept are those of the whole text, cut.
+        self.max_chars = (max_length + 16) * max(map(len, tok.get_vocab()), default=1)
 
     # -- score mode: whole sequence plus trained spans ---------------------------------
     def encode(self, ex: Example, sample_id: int = 0) -> Sample:
         if ex.kind in ("chat", "pair"):
             msgs = ex.messages or [{"role": "user", "content": ex.prompt},
                                    {"role": "assistant", "content": ex.completion}]
-            ids, spans = chat_spans(self.tok, msgs, self.turn_ends) if self.template == "chat" else self._raw_chat(msgs)
+            ids, spans = chat_spans(self.tok, msgs, self.turn_ends, self.max_chars) if self.template == "chat" \
+                else self._raw_chat(msgs)
         else:  # text: every token is a target; the document end appended so the end of a document is learned
-            ids = self.tok(ex.text, add_special_tokens=True)["input_ids"] + [self.text_end]
+            ids = self.tok(ex.text[:self.max_chars], add_special_tokens=True)["input_ids"] + [self.text_end]
             spans = [(1, len(ids))]
         positions = span_positions(spans)
         if self.drop_end_of_turn:
@@ -125,7 +130,7 @@ class Encoder:
         message trained through an EOS appended after it."""
         ids, spans = list(self.tok("", add_special_tokens=True)["input_ids"]), []
         for m in messages:
-            t = self.tok(m["content"], add_special_tokens=False)["input_ids"]
+            t = self.tok(m["content"][:self.max_chars], add_special_tokens=False)["input_ids"]
             if m["role"] == "assistant":
                 spans.append((len(ids), len(ids) + len(t) + 1))
                 t = t + [self.eos]

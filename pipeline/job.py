@@ -95,8 +95,12 @@ def count_rows(path):
         with open(path, "rb") as f:
             return sum(1 for line in f if line.strip())
     if os.path.isfile(path) and path.endswith(".parquet"):
+        import pyarrow as pa
         import pyarrow.parquet as pq
-        return pq.ParquetFile(path).metadata.num_rows
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{path}: cannot be read as Parquet ({type(e).__name__}: {e})") from None
     return sum(1 for _ in iter_rows(path))
 
 

@@ -24,7 +24,6 @@ and the worker names the sample. The mass and id checks every backend's records 
 """
 import http.client
 import json
-import os
 import threading
 import time
 import urllib.parse
@@ -32,6 +31,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import numpy as np
 
+from kdcache.common.env import env_seconds
 from kdcache.common.errors import KdcacheError
 
 from .teacher import SampleFailed, Scored
@@ -70,13 +70,6 @@ def max_answer_bytes(positions, k):
     return 65536 + int(positions) * (int(k) + 2) * 400
 
 
-def _env_float(name, default):
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return float(default)
-
-
 class Client:
     """JSON over HTTP to one server, one keep-alive connection per thread, with bounded retries."""
 
@@ -90,8 +83,8 @@ class Client:
         self.url = f"{u.scheme}://{u.netloc}{self.api}"
         self._conn_args = (u.hostname, u.port)
         self._https = u.scheme == "https"
-        self.retry_s = _env_float("KDCACHE_SERVED_RETRY_S", RETRY_S) if retry_s is None else retry_s
-        self.timeout_s = _env_float("KDCACHE_SERVED_TIMEOUT_S", TIMEOUT_S) if timeout_s is None else timeout_s
+        self.retry_s = env_seconds("KDCACHE_SERVED_RETRY_S", RETRY_S) if retry_s is None else retry_s
+        self.timeout_s = env_seconds("KDCACHE_SERVED_TIMEOUT_S", TIMEOUT_S) if timeout_s is None else timeout_s
         self._local = threading.local()
 
     def _conn(self):

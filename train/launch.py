@@ -10,6 +10,7 @@ and torchrun installs its SIGHUP handler even under `nohup`. This launcher does 
     with the failing rank's status.
 Single node only; for several nodes use torchrun or the DeepSpeed launcher.
 """
+import ctypes
 import os
 import signal
 import socket
@@ -33,6 +34,18 @@ def without_nproc(argv):
     return out
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_launcher():
+    """In each rank, before exec: SIGTERM when the launcher dies, kill -9 included (Linux prctl), so no rank is
+    left training after it; SIGTERM lets the rank finish its step and save. Elsewhere a no-op."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        pass
+
+
 def launch(argv, nproc):
     """Run `kdcache train argv` as nproc ranks on this machine; returns the exit status."""
     with socket.socket() as s:
@@ -41,12 +54,12 @@ def launch(argv, nproc):
     base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
                 LOCAL_WORLD_SIZE=str(nproc), KDCACHE_LAUNCH=f"--nproc-per-node {nproc}")
     cmd = [sys.executable, "-m", "kdcache", "train", *without_nproc(argv)]
-    ranks = [subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in range(nproc)]
-    forwarded = set()
+    ranks = []
+    forwarded = {}                         # signal -> how many ranks had started when it was forwarded
 
     def forward(signum, frame):
         if signum not in forwarded:        # a signal sent to the whole group reaches the ranks directly too
-            forwarded.add(signum)
+            forwarded[signum] = len(ranks)
             for p in ranks:
                 if p.poll() is None:
                     p.send_signal(signum)
@@ -54,8 +67,14 @@ def launch(argv, nproc):
     handled = [signal.SIGTERM, signal.SIGINT]
     if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
         handled.append(signal.SIGHUP)
-    for sig in handled:
+    for sig in handled:                  # before the first rank starts: a signal meanwhile is forwarded too
         signal.signal(sig, forward)
+    for r in range(nproc):
+        ranks.append(subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                                      preexec_fn=_die_with_launcher))
+    for signum, started in list(forwarded.items()):   # came while the ranks started: the later ones get it too
+        for p in ranks[started:]:
+            p.send_signal(signum)
     return _wait(ranks)
 
 

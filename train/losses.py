@@ -193,8 +193,10 @@ class _FusedChunks(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, topk_ids, topk_logprobs, tail_mass, targets, cfg, transform):
-        need = any(ctx.needs_input_grad[:3])
+    def forward(ctx, hidden, weight, bias, topk_ids, topk_logprobs, tail_mass, targets, cfg, transform, grad_mode):
+        # grad_mode: whether autograd records at the call (inside forward it never does); under torch.no_grad()
+        # (an eval pass) no gradient is built, whatever the inputs' requires_grad.
+        need = grad_mode and any(ctx.needs_input_grad[:3])
         h32, w32 = hidden.float(), weight.float()
         b32 = None if bias is None else bias.float()
         gh = torch.zeros_like(h32) if need else None
@@ -229,7 +231,7 @@ class _FusedChunks(torch.autograd.Function):
         gh, gw, gb = ctx.saved_tensors
         dh, dw, db = ctx.dtypes
         return ((gh * g_loss).to(dh) if gh is not None else None, (gw * g_loss).to(dw) if gw is not None else None,
-                (gb * g_loss).to(db) if gb is not None else None, None, None, None, None, None, None)
+                (gb * g_loss).to(db) if gb is not None else None, None, None, None, None, None, None, None)
 
 
 def chunked_kd_loss(hidden: Tensor, lm_head_weight: Tensor, topk_ids: Tensor, topk_logprobs: Tensor,
@@ -249,6 +251,6 @@ def chunked_kd_loss(hidden: Tensor, lm_head_weight: Tensor, topk_ids: Tensor, to
         return kd_loss_from_logits(logit_transform(z) if logit_transform else z, topk_ids, topk_logprobs,
                                    tail_mass, targets, cfg)
     loss, kd, ce = _FusedChunks.apply(hidden, lm_head_weight, lm_head_bias, topk_ids, topk_logprobs, tail_mass,
-                                      targets, cfg, logit_transform)
+                                      targets, cfg, logit_transform, torch.is_grad_enabled())
     return loss, {"kd": float(kd), "sft": float(ce), "positions": int(n)}
 

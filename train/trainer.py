@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kdcache.cache_format.lock import DirLock
 from kdcache.cache_format.manifest import load_manifest
 from kdcache.cache_format.record import lacks_end_of_turn
 from kdcache.common.atomic import atomic_write_bytes, publish, remove
@@ -45,6 +46,7 @@ class Run:
     total_steps: int
     step: int = 0
     t_last: float = 0.0        # when the last step ended (throughput counts data loading too)
+    out_lock: object = None    # rank 0's lock on --out (lock_out), held until the process ends
 
 
 # ---------------------------------------------------------------------------- the recipe
@@ -70,6 +72,8 @@ def train(cfg):
         flag, = all_reduce([1.0 if signalled else 0.0], op="max")     # 3. checkpoint when due or signalled
         if flag or (cfg.save_every and run.step % cfg.save_every == 0):
             save(run)
+            if not flag:     # a signal that came during the save stops the run now, not after a step and a save more
+                flag, = all_reduce([1.0 if stop.signal else 0.0], op="max")
         if flag:
             reason = f"stopped by {stop.signal or 'stop_after'}"
             break
@@ -90,8 +94,23 @@ def check_inputs(cfg):
     return tok
 
 
+OUT_LOCK = ".train.lock"
+
+
+def lock_out(cfg):
+    """Rank 0 holds a lock on --out for the whole run (the kernel drops it when the process dies, kill -9
+    included): a second trainer started on the same --out is refused, instead of training beside the first and
+    removing its temporary checkpoints."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    os.makedirs(cfg.out, exist_ok=True)
+    return DirLock(cfg.out, OUT_LOCK, refusal="Another `kdcache train` is training into this --out: wait for it, "
+                   "stop it (its ranks stop with it), or pass another --out.").acquire()
+
+
 def setup(cfg):
     tok = check_inputs(cfg)
+    out_lock = lock_out(cfg)
     rank, world = init_distributed()
     import deepspeed
     if not torch.cuda.is_available():
@@ -106,14 +125,17 @@ def setup(cfg):
     ds_cfg = deepspeed_config(cfg)
     stage = ds_cfg.get("zero_optimization", {}).get("stage", 0)
     module = DistillModule(model, cfg.loss_config(), chunked=stage < 3)   # ZeRO-3 shards lm_head: use the module call
-    steps_per_epoch = max(1, stream.samples_per_epoch() // (cfg.batch_size * cfg.grad_accum))
-    total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
+    # One step count for every rank: rank shares differ by a sample, and a rank with an extra step would run a
+    # schedule of its own and call collectives the others never join.
+    steps_per_epoch, = all_reduce([max(1, stream.samples_per_epoch() // (cfg.batch_size * cfg.grad_accum))],
+                                  op="min")
+    total_steps = cfg.max_steps or int(steps_per_epoch) * cfg.epochs
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg)
     run = Run(cfg, rank, world, stream, tok, engine, scheduler, stage,
               pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
-              student_vocab=student_vocab, total_steps=total_steps)
+              student_vocab=student_vocab, total_steps=total_steps, out_lock=out_lock)
     ckpt = checkpoint.resolve_resume(cfg.out, cfg.resume)     # engine, optimizer, scheduler, RNG, reader position
     if ckpt:
         checkpoint.check_order(ckpt, stream.order())
@@ -183,6 +205,7 @@ def finish(run, reason, resume_cmd):
         if rank == 0:
             print(f"\n{reason} at step {run.step}; checkpoint saved. Resume with:\n  {resume_cmd}", flush=True)
         return {"step": run.step, "reason": reason}
+    untrained = _untrained(run)
     final = os.path.join(cfg.out, "final")
     stops_like_the_teacher(run.engine.module.model, run.tok, stream.cache.manifest)
     save_final(run.engine.module.model, run.tok, final, rank, run.stage)
@@ -190,7 +213,12 @@ def finish(run, reason, resume_cmd):
         curve = plot_loss_curve(cfg.out)
         atomic_write_bytes(os.path.join(cfg.out, "train_summary.json"),
                            json.dumps({"step": run.step, "reason": reason, "final_model": final,
-                                       "damaged_shards_skipped": stream.damaged}).encode())
+                                       "damaged_shards_skipped": stream.damaged,
+                                       "samples_untrained": untrained}).encode())
+        if untrained:
+            print(f"{untrained} sample(s) of the {cfg.epochs} epoch(s) were not trained: each step takes "
+                  f"batch_size x grad_accum x ranks = {cfg.batch_size * cfg.grad_accum * run.world} samples, and "
+                  "every rank runs the same number of steps", flush=True)
         if stream.damaged:
             print(f"skipped {len(stream.damaged)} damaged shard(s), {sum(stream.damaged.values())} samples per "
                   f"epoch: {sorted(stream.damaged)}", flush=True)
@@ -209,8 +237,19 @@ def init_distributed():
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":                 # each rank on its own GPU before NCCL or DeepSpeed touch one
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def collective_device():
+    """The device a collective's tensors must live on: NCCL refuses CPU tensors ("No backend type associated with
+    device type cpu"), gloo takes them."""
+    import torch.distributed as dist
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def deepspeed_config(cfg):
@@ -242,9 +281,9 @@ def lr_lambda(cfg, total_steps):
 
 def all_reduce(values, op="sum"):
     import torch.distributed as dist
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
-    return t.tolist()
+    return t.cpu().tolist()
 
 
 def check_records(records, turn_ends, require_eos, cache_dir):
@@ -278,6 +317,17 @@ def stops_like_the_teacher(model, tok, manifest):
     template = manifest.get("meta", {}).get("chat_template")
     if template:
         tok.chat_template = template
+
+
+def _untrained(run):
+    """Samples of the epochs no step took (epoch mode with whole batches: the ranks' shares modulo the samples a
+    step takes, and a rank's share beyond the agreed step count); None where not counted (max_steps, a token
+    budget, packing)."""
+    cfg = run.cfg
+    if cfg.max_steps or cfg.pack or cfg.max_tokens:
+        return None
+    left, = all_reduce([run.stream.samples_per_epoch() * cfg.epochs - run.step * cfg.batch_size * cfg.grad_accum])
+    return int(left)
 
 
 def save_final(model, tok, path, rank, stage):

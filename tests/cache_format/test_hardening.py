@@ -213,3 +213,13 @@ def test_the_same_vocabulary_with_another_normalizer_is_another_tokenizer(tmp_pa
     assert tokenizer_identity(tok) == a                    # call-time settings are not part of the identity
     old = {k: v for k, v in a.items() if k != "tokenizer_json_sha256"}      # a manifest from before the key
     assert diff_identity(old, b) == [] and diff_identity(b, old) == []
+
+
+def test_an_arrow_batch_past_int32_offsets_is_refused_not_wrapped(monkeypatch, tmp_path):
+    """Arrow list offsets are int32: past 2^31 values they would wrap silently (issue 23, item 14). The limit is
+    lowered here so that a small shard reaches it."""
+    from kdcache.cache_format import arrow_format
+    monkeypatch.setattr(arrow_format, "INT32_MAX", 100)
+    with pytest.raises(ShardError, match=r"more than an Arrow list column's int32 offsets.*--format zarr"):
+        write_cache(tmp_path / "c", make_records(20, seed=1), shard_size=20, **writer_kwargs("arrow"))
+    write_cache(tmp_path / "z", make_records(20, seed=1), shard_size=20, **writer_kwargs("zarr"))   # zarr: fine

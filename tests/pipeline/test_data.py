@@ -70,3 +70,23 @@ def test_unknown_or_missing_dataset_is_a_clear_error(tmp_path):
     (tmp_path / "d.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unknown format"):
         list(iter_rows(str(tmp_path / "d.csv")))
+
+
+def test_a_record_nested_too_deeply_is_a_counted_bad_row(tmp_path):
+    """5,000 levels of nesting made json raise RecursionError through the reader (issue 23, item 13): the rest of
+    the dataset went unread even with --on-bad-record skip."""
+    deep = "[" * 5000 + "]" * 5000
+    path = write_jsonl(tmp_path / "d.jsonl", [CHAT, deep, CHAT])
+    rows = list(iter_rows(path))
+    assert [r.error for r in rows] == [None, "JSON nested too deeply to read", None]
+    assert rows[1].where == f"{path}:2" and rows[2].index == 2
+
+
+def test_a_corrupt_parquet_file_is_named(tmp_path):
+    from kdcache.pipeline.job import count_rows
+    bad = tmp_path / "broken.parquet"
+    bad.write_bytes(b"PAR1" + b"\x00" * 64 + b"PAR1")
+    with pytest.raises(DataError, match=r"broken\.parquet: cannot be read as Parquet"):
+        list(iter_rows(str(bad)))
+    with pytest.raises(DataError, match=r"broken\.parquet: cannot be read as Parquet"):
+        count_rows(str(bad))

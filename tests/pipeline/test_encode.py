@@ -119,3 +119,39 @@ def test_chat_records_without_a_template_are_concatenated_and_trained(tiny, how)
     answers = [p + [tok.eos_token_id] for p, m in zip(pieces, MULTI["messages"]) if m["role"] == "assistant"]
     assert targets(enc) == [t for a in answers for t in a]          # every answer, each through its EOS
     assert "<|im_start|>" not in tok.decode(ids)                     # no template text
+
+
+class Counting:
+    """The tokenizer, counting the characters it is handed (the work a record costs)."""
+
+    def __init__(self, tok):
+        self.tok, self.chars = tok, 0
+
+    def __call__(self, text, **kw):
+        self.chars = max(self.chars, len(text))
+        return self.tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+@pytest.mark.parametrize("kind", ["text", "chat", "raw"])
+def test_a_huge_record_is_cut_before_tokenizing_and_keeps_the_same_ids(tiny, kind):
+    """A 20 MB record took 31 s and 3.4 GiB to keep 511 tokens (issue 23, item 11). The text is cut before
+    tokenizing, at a length no max_length tokens can reach past, and the sample is what tokenizing the whole
+    text and truncating gives."""
+    tok = tiny["tok"]
+    words = " ".join(f"docker{i % 97} sql kubernetes" for i in range(40000))        # ~1 MB
+    rec = {"text": words} if kind == "text" else \
+        {"messages": [{"role": "user", "content": "list the skills"}, {"role": "assistant", "content": words}]}
+    counting = Counting(tok)
+    enc = Encoder(counting, max_length=64, template="raw" if kind == "raw" else "auto")
+    got = enc.encode(parse_row(rec))
+    assert counting.chars <= enc.max_chars < len(words) / 10                     # bounded work
+    whole = Encoder(tok, max_length=10**7, template="raw" if kind == "raw" else "auto").encode(parse_row(rec))
+    assert got.truncated and len(got.input_ids) == 64
+    assert got.input_ids.tolist() == whole.input_ids[:64].tolist()             # token-exact: the same prefix
+    assert got.positions.tolist() == whole.positions[whole.positions <= 62].tolist()
+    with pytest.raises(SkipSample, match="too_long|max_length"):
+        Encoder(counting, max_length=64, overlong="drop", template="raw" if kind == "raw" else "auto").encode(
+            parse_row(rec))

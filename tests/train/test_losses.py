@@ -363,7 +363,7 @@ def test_chunked_peak_memory_does_not_grow_with_n(monkeypatch):
     small, large = peak_vocab_elements(32, v=v), peak_vocab_elements(128, v=v)
     assert 0 < small == large < 128 * v
     # ... and the measurement does notice when the chunking is taken away (all N logits at once).
-    def unchunked(hidden, weight, bias, ids, lp, tail, targets, cfg, transform=None):
+    def unchunked(hidden, weight, bias, ids, lp, tail, targets, cfg, transform=None, grad_mode=True):
         loss, parts = losses.kd_loss_from_logits(hidden @ weight.T, ids, lp, tail, targets, cfg)
         return loss, torch.tensor(parts["kd"]), torch.tensor(parts["sft"])
 
@@ -551,3 +551,21 @@ def test_a_collapsed_students_tail_bucket_is_charged(beta, chunked):
     assert float(loss) == pytest.approx(float(want), rel=1e-4)
     if beta == 0.0:
         assert float(loss) > 50 * n                # 0.3 x ~298 nats a position: not the 0.009 of a dropped bucket
+
+
+# 15. An eval pass under torch.no_grad() builds no gradient in the fused loss (issue 23, item 14).
+def test_the_fused_loss_builds_no_gradient_under_no_grad(monkeypatch):
+    from kdcache.train import losses
+    calls = []
+    real = torch.autograd.grad
+    monkeypatch.setattr(losses.torch.autograd, "grad", lambda *a, **k: calls.append(1) or real(*a, **k))
+    student, ids, lp, tail, targets, _ = make_case(seed=21)
+    hidden = torch.randn(student.shape[0], 5, requires_grad=True)
+    weight = torch.randn(student.shape[1], 5, requires_grad=True)
+    cfg = LossConfig(beta=0.5, chunk_size=2)
+    with torch.no_grad():
+        quiet, _ = chunked_kd_loss(hidden, weight, ids, lp, tail, targets, cfg)
+    assert calls == [] and not quiet.requires_grad
+    loud, _ = chunked_kd_loss(hidden, weight, ids, lp, tail, targets, cfg)
+    assert calls and loud.requires_grad
+    torch.testing.assert_close(quiet, loud.detach())

@@ -1,0 +1,61 @@
+"""Sizes and durations from the environment: one parser each, every variable read through it, a value it cannot
+read refused with the variable named (issue 23, item 13: KDCACHE_FETCH_BYTES=8G and KDCACHE_LEASE_TTL=2m gave
+tracebacks, the TTL one in every command; KDCACHE_SERVED_RETRY_S=2m silently became 120)."""
+import pytest
+
+from kdcache.common.env import env_seconds, env_size, parse_seconds, parse_size
+from kdcache.common.errors import ConfigError
+from tests.helpers.cli import kdcache, user_env
+
+
+@pytest.mark.parametrize("text,want", [("8G", 8 * 2**30), ("512M", 512 * 2**20), ("1.5GiB", int(1.5 * 2**30)),
+                                       ("65536", 65536), ("8e9", 8 * 10**9), ("4kb", 4096), (" 2 T ", 2 * 2**40)])
+def test_sizes(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("text,want", [("120", 120.0), ("30s", 30.0), ("2m", 120.0), ("1.5h", 5400.0),
+                                       ("1d", 86400.0), ("500ms", 0.5), ("3 min", 180.0)])
+def test_durations(text, want):
+    assert parse_seconds(text) == want
+
+
+def test_what_cannot_be_read_is_refused_with_the_variable_named(monkeypatch):
+    monkeypatch.setenv("KDCACHE_FETCH_BYTES", "lots")
+    with pytest.raises(ConfigError, match="KDCACHE_FETCH_BYTES: 'lots' is not a size"):
+        env_size("KDCACHE_FETCH_BYTES", 1)
+    monkeypatch.setenv("KDCACHE_LEASE_TTL", "2 fortnights")
+    with pytest.raises(ConfigError, match="KDCACHE_LEASE_TTL: '2 fortnights' is not a duration"):
+        env_seconds("KDCACHE_LEASE_TTL", 1)
+    monkeypatch.delenv("KDCACHE_LEASE_TTL")
+    assert env_seconds("KDCACHE_LEASE_TTL", 7) == 7.0
+
+
+def test_the_served_client_reads_minutes(monkeypatch):
+    from kdcache.pipeline.teacher_served import Client
+    monkeypatch.setenv("KDCACHE_SERVED_RETRY_S", "2m")
+    monkeypatch.setenv("KDCACHE_SERVED_TIMEOUT_S", "90s")
+    c = Client("http://127.0.0.1:9/v1")
+    assert (c.retry_s, c.timeout_s) == (120.0, 90.0)
+
+
+def test_a_bad_ttl_breaks_no_command_that_does_not_need_it(tmp_path):
+    """Read when a lease is made, not at import: `kdcache --help` and `kdcache ls` of a plain directory still run;
+    a command that takes a lease says what is wrong, without a traceback."""
+    from kdcache.cache_format import write_cache
+    from tests.helpers.records import make_records, writer_kwargs
+    write_cache(tmp_path / "c", make_records(4, seed=1), shard_size=4, **writer_kwargs("arrow"))
+    env = user_env(KDCACHE_LEASE_TTL="2m", KDCACHE_FETCH_BYTES="8G")
+    assert kdcache("--help", env=env).returncode == 0
+    res = kdcache("inspect", tmp_path / "c", env=env)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+
+
+
+def test_a_reader_that_takes_a_lease_names_a_bad_ttl(tmp_path, monkeypatch):
+    from kdcache.cache_format import open_cache, write_cache
+    from tests.helpers.records import make_records, writer_kwargs
+    write_cache(tmp_path / "c", make_records(4, seed=1), shard_size=4, **writer_kwargs("arrow"))
+    monkeypatch.setenv("KDCACHE_LEASE_TTL", "soon")
+    with pytest.raises(ConfigError, match="KDCACHE_LEASE_TTL: 'soon' is not a duration"):
+        open_cache(tmp_path / "c", track_use=True)
