@@ -108,6 +108,15 @@ class Shard:
     def __len__(self):
         return self._starts[-1]
 
+    def lengths(self):
+        """int64 [n]: each sample's token count, from the input_ids column's offsets."""
+        try:
+            parts = [np.diff(np.asarray(self._file.get_record_batch(b).column("input_ids").offsets))
+                     for b in range(len(self._starts) - 1)]
+        except (OSError, pa.ArrowInvalid) as e:
+            raise ShardError(f"{self.path}: unreadable ({e})") from e
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
     def _decoded(self, b):
         if self._cached[0] != b:
             try:

@@ -10,9 +10,10 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from kdcache.common.atomic import remove
 from kdcache.common.env import env_size
@@ -26,9 +27,22 @@ RETRIES = 3
 
 
 class ShardFetcher:
-    def __init__(self, loc, shards, *, directory=None, max_bytes=None, workers=4, pinned=None):
+    """Downloads a remote cache's shards into a local directory that never holds more than max_bytes.
+
+    pinned() names the shards a reader has open (never removed); pinned_max bounds how many. A budget below
+    (pinned_max + 1) x the largest shard cannot be kept (those shards and the one being read must be on disk),
+    so it is raised to that, with a warning naming both figures."""
+
+    def __init__(self, loc, shards, *, directory=None, max_bytes=None, workers=4, pinned=None, pinned_max=0):
         self.loc, self.shards = loc, shards
-        self.max_bytes = int(max_bytes or env_size("KDCACHE_FETCH_BYTES", DEFAULT_BYTES))
+        asked = int(max_bytes or env_size("KDCACHE_FETCH_BYTES", DEFAULT_BYTES))
+        floor = (pinned_max + 1) * max((s.bytes for s in shards), default=0)
+        if asked < floor:
+            warnings.warn(f"{loc.url}: a download budget of {asked:,} bytes (KDCACHE_FETCH_BYTES) is below what "
+                          f"reading this cache needs on disk at once, {pinned_max} open shard(s) and the one read "
+                          f"next, of up to {floor // (pinned_max + 1):,} bytes each: using {floor:,} bytes",
+                          stacklevel=3)
+        self.max_bytes = max(asked, floor)
         self.dir = process_dir(directory or tempfile.gettempdir(), "kdcache-shards-")
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kdcache-fetch")
@@ -56,7 +70,10 @@ class ShardFetcher:
                 self._futures[j] = self._pool.submit(self._download, j)
 
     def get(self, j):
-        """Local path of shard position j, downloading it now if it is not here yet."""
+        """Local path of shard position j, downloading it now if it is not here yet (after making room for it:
+        read shards go first, then unread ones, waiting for downloads in flight where only they stand in the
+        way)."""
+        self._make_room(j)
         self.prefetch([j], force=True)
         path = self._futures[j].result()
         with self._lock:
@@ -65,6 +82,19 @@ class ShardFetcher:
                 self._present.move_to_end(j)
             self._evict(keep=j)
         return path
+
+    def _make_room(self, j):
+        need = self.shards[j].bytes
+        while True:
+            with self._lock:
+                f = self._futures.get(j)
+                if f is not None and not (f.done() and f.exception() is not None):
+                    return                         # here or on its way: counted already
+                self._evict(keep=j, room=need)
+                flying = [f for k, f in self._futures.items() if not f.done()]
+                if sum(self._present.values()) + self._inflight() + need <= self.max_bytes or not flying:
+                    return
+            wait(flying, return_when=FIRST_COMPLETED)   # downloads in flight: once done they can be removed
 
     def _local(self, j):
         """Where shard position j lives here: a name of ours, never a path taken from the manifest."""

@@ -51,7 +51,7 @@ class Cache:
             if self.location.remote:
                 from .fetch import ShardFetcher
                 self._fetcher = ShardFetcher(self.location, self.shards, max_bytes=fetch_bytes, directory=fetch_dir,
-                                             pinned=lambda: list(self._open))
+                                             pinned=lambda: list(self._open), pinned_max=OPEN_SHARDS)
         except BaseException:
             self.close()                      # no lease or download threads left behind
             raise

@@ -135,6 +135,10 @@ class Shard:
     def __len__(self):
         return len(self._sid)
 
+    def lengths(self):
+        """int64 [n]: each sample's token count, from the token offsets (read at open)."""
+        return np.diff(np.asarray(self._toff)).astype(np.int64)
+
     def _read(self, lo, hi):
         """Decode samples [lo, hi)."""
         t0, t1, p0, p1 = self._toff[lo], self._toff[hi], self._poff[lo], self._poff[hi]

@@ -14,6 +14,8 @@ def parse_args(doc):
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false")
+    p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: none)")
+    p.add_argument("--resume", help="a checkpoint-N directory of an earlier run to continue from")
     return p.parse_args()
 
 

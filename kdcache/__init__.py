@@ -4,12 +4,15 @@ The public API, for training with a cache in any loop (Hugging Face Trainer, TRL
 
     open_cache(path_or_url)        a cache: len(), cache[i] -> Record, iteration, .manifest       (no torch)
     CacheDataset(cache, *, shuffle, seed, rank, world_size, epochs)
-                                   a torch IterableDataset of Records; state_dict()/load_state_dict() resume
-                                   exactly; ranks and DataLoader workers read disjoint shares
+                                   a torch IterableDataset of Records; ranks and DataLoader workers read
+                                   disjoint shares; each iteration the next epoch(s) (set_epoch as HF calls it);
+                                   mark_trained(batch) after each trained batch, then state_dict() /
+                                   load_state_dict() resume exactly, under fetch-ahead loops and workers
     collate(records, *, pad_id, student_vocab, pack_len=0) -> Batch
                                    input_ids (R, T), attention_mask, position_ids, the trained positions
                                    (batch_index, positions, targets: N each), topk_ids / topk_logprobs (N, k)
-                                   or (N, k + 1) with the target's own bucket (-1 = no entry), tail_mass (N,)
+                                   or (N, k + 1) with the target's own bucket (-1 = no entry), tail_mass (N,),
+                                   stream_state (where a CacheDataset stands after the batch)
     kd_loss(logits, batch, **loss_settings) -> loss
                                    generalized JSD / forward / reverse KL with the tail bucket, temperature and
                                    SFT term, exactly as `kdcache train`; logits (R, T, V) or (N, V)

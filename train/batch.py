@@ -27,6 +27,8 @@ class Batch:
     n_outside_vocab: int                 # teacher entries moved to the tail bucket (see collate)
     sample_ids: list                     # [int] per record
     truncated: list                      # [bool] per record
+    stream_state: dict | None = None     # records from kdcache.CacheDataset: where its stream stands after this
+    #                                      batch (CacheDataset.mark_trained takes it); None otherwise
 
     @property
     def n_positions(self):
@@ -130,4 +132,5 @@ def collate(records, *, pad_id, student_vocab, pack_len=0) -> Batch:
         batch_index=as_t(bidx.astype(np.int64)), positions=as_t(pos), sample_index=as_t(sidx.astype(np.int64)),
         targets=as_t(targets), topk_ids=as_t(tid), topk_logprobs=as_t(tlp), tail_mass=as_t(tail),
         n_tokens=int(mask.sum()), n_outside_vocab=n_outside,
-        sample_ids=[r.sample_id for r in records], truncated=[r.truncated for r in records])
+        sample_ids=[r.sample_id for r in records], truncated=[r.truncated for r in records],
+        stream_state=getattr(records[-1], "stream_state", None) if records else None)

@@ -114,6 +114,23 @@ class CacheStream:
         lo, hi = self.span()
         return hi - lo
 
+    def count_batches(self, epochs):
+        """How many micro-batches batches() yields over `epochs` epochs from the start: batch_size samples each,
+        or fewer under max_tokens, grouped as batches() groups them (across epoch ends too). Reads only each
+        shard's sample lengths."""
+        if not self.max_tokens:
+            return -(-self.samples_per_epoch() * epochs // self.batch_size)
+        lengths = {}
+
+        def of(j):
+            if j not in lengths:
+                lengths[j] = self.cache.shard(j).lengths()
+            return lengths[j]
+        flat = np.concatenate([of(j)[rows] for e in range(epochs) for j, rows in self.segments(e)] or
+                              [np.zeros(0, np.int64)])
+        return sum(1 for _ in budget_groups(flat.tolist(), int, max_tokens=self.max_tokens,
+                                            max_items=self.batch_size))
+
     # -- resumable position ----------------------------------------------------------
     def state_dict(self) -> dict:
         return self.position.to_dict()

@@ -1,6 +1,8 @@
 """kdcache.CacheDataset: a cache as a torch IterableDataset, for Hugging Face Trainer, TRL or any loop."""
 import torch
 
+from kdcache.common.errors import ConfigError
+
 from .data import CacheStream, StreamPosition
 
 
@@ -9,9 +11,15 @@ class CacheDataset(torch.utils.data.IterableDataset):
 
     Each epoch is the cache's global order (shards and rows shuffled by (seed, epoch) when shuffle), split into
     contiguous spans for ranks (rank, world_size); within a rank, DataLoader workers read disjoint sets of
-    shards. epochs=None streams forever. state_dict()/load_state_dict() resume exactly where the last record
-    handed out left off (the position of the main-process iteration: use num_workers=0 when you checkpoint
-    the dataset's state). Batch the records with kdcache.collate.
+    shards. An iteration yields `epochs` epochs (None: forever), and the next iteration goes on from there, so
+    iterating again gives the next epoch(s); set_epoch(e) (the Hugging Face Trainer and Accelerate call it)
+    makes the next iteration epoch e's. A resumed iteration ends where the interrupted one would have.
+
+    Resuming exactly. Each Record carries `stream_state`, and kdcache.collate puts the last one on the Batch.
+    A loop that fetches ahead (the Hugging Face Trainer, Accelerate) or uses DataLoader workers calls
+    mark_trained(batch) once a batch is trained; state_dict() is then what was trained, not what was fetched,
+    for every worker. Without mark_trained it is where the main process's iteration stands (exact for a plain
+    loop with num_workers=0). load_state_dict() refuses a state of another number of workers.
     """
 
     def __init__(self, cache, *, shuffle=True, seed=0, rank=0, world_size=1, epochs=1, prefetch=2):
@@ -19,25 +27,77 @@ class CacheDataset(torch.utils.data.IterableDataset):
         self.path = getattr(cache, "directory", None) or str(cache)      # a Cache, a path or a URL
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
         self.epochs, self.prefetch = epochs, prefetch
-        self._position = StreamPosition()
+        self._start = {1: {0: StreamPosition()}}     # workers -> {worker: where its next iteration starts}
+        self._trained = {}                           # (worker, workers) -> StreamPosition after its last trained batch
+        self._from_epoch = 0                         # the epoch the current (or next) iteration began at
 
+    # -- iteration -------------------------------------------------------------------
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         part = (0, 1) if info is None else (info.id, info.num_workers)
+        start = self._start_of(part)
+        end = None if self.epochs is None else self._from_epoch + self.epochs
         stream = CacheStream(self.path, rank=self.rank, world=self.world_size, seed=self.seed, shuffle=self.shuffle,
-                             epochs=self.epochs, prefetch=self.prefetch, part=part)
-        if info is None:
-            stream.position = self._position
+                             epochs=end, prefetch=self.prefetch, part=part)
+        stream.position = start
         try:
             for record, position in stream.samples():
-                if info is None:
-                    self._position = position
+                record.stream_state = {**position.to_dict(), "worker": part[0], "workers": part[1]}
+                self._start[part[1]] = {**self._start.get(part[1], {}), part[0]: position}   # this process's copy
                 yield record
+            if end is not None:
+                self._from_epoch = end              # the iteration ran to its end: the next one begins there
         finally:
             stream.close()
 
+    def _start_of(self, part):
+        i, n = part
+        if n not in self._start:
+            saved = sorted(self._start)
+            if any(p != StreamPosition() for w in saved for p in self._start[w].values()):
+                raise ConfigError(f"CacheDataset: the state was saved with {saved[0]} DataLoader worker(s), and "
+                                  f"this DataLoader has {n}: each worker reads its own shards, so the positions "
+                                  f"do not carry over. Resume with num_workers={saved[0] if saved[0] > 1 else 0}.")
+            return StreamPosition(max([p.epoch for w in saved for p in self._start[w].values()] or [0]), 0, 0)
+        return self._start[n].get(i, StreamPosition())
+
+    def set_epoch(self, epoch):
+        """Start the next iteration at epoch `epoch` (where it is not already past its start), every worker."""
+        self._from_epoch = int(epoch)
+        for n, parts in list(self._start.items()):
+            self._start[n] = {i: p if p.epoch >= epoch else StreamPosition(epoch, 0, 0)
+                              for i, p in ({**{i: StreamPosition() for i in range(n)}, **parts}).items()}
+
+    # -- resumable position ----------------------------------------------------------
+    def mark_trained(self, batch):
+        """Record that `batch` (from kdcache.collate of this dataset's records) has been trained."""
+        st = batch.stream_state
+        if st is None:
+            raise ConfigError("CacheDataset.mark_trained: the batch carries no stream_state (collate records of "
+                              "this CacheDataset with kdcache.collate)")
+        self._trained[(st["worker"], st["workers"])] = StreamPosition.from_dict(st)
+
     def state_dict(self) -> dict:
-        return self._position.to_dict()
+        """{"epoch", "shard_cursor", "row_cursor"} with one reader; {"workers": n, "positions": {i: ...}} with
+        DataLoader workers."""
+        if self._trained:
+            n = max(w for _, w in self._trained)
+            where = {i: self._trained.get((i, n), self._start.get(n, {}).get(i, StreamPosition())) for i in range(n)}
+        else:
+            n = max(self._start)
+            where = {i: self._start[n].get(i, StreamPosition()) for i in range(n)}
+        if n == 1:
+            return {**where[0].to_dict(), "from_epoch": self._from_epoch}
+        return {"workers": n, "positions": {str(i): p.to_dict() for i, p in where.items()},
+                "from_epoch": self._from_epoch}
 
     def load_state_dict(self, state: dict):
-        self._position = StreamPosition.from_dict(state)
+        if "workers" in state:
+            n = int(state["workers"])
+            self._start = {n: {int(i): StreamPosition.from_dict(p) for i, p in state["positions"].items()}}
+        else:
+            self._start = {1: {0: StreamPosition.from_dict(state)}}
+        # States saved before from_epoch: the iteration began at the epoch the position is in.
+        self._from_epoch = int(state.get("from_epoch", min(p.epoch for ps in self._start.values()
+                                                               for p in ps.values())))
+        self._trained = {}

@@ -126,10 +126,13 @@ def setup(cfg):
     stage = ds_cfg.get("zero_optimization", {}).get("stage", 0)
     module = DistillModule(model, cfg.loss_config(), chunked=stage < 3)   # ZeRO-3 shards lm_head: use the module call
     # One step count for every rank: rank shares differ by a sample, and a rank with an extra step would run a
-    # schedule of its own and call collectives the others never join.
-    steps_per_epoch, = all_reduce([max(1, stream.samples_per_epoch() // (cfg.batch_size * cfg.grad_accum))],
-                                  op="min")
-    total_steps = cfg.max_steps or int(steps_per_epoch) * cfg.epochs
+    # schedule of its own and call collectives the others never join. Counted from the micro-batches the
+    # stream really yields (under --max-tokens they hold fewer than --batch-size samples).
+    if cfg.max_steps:
+        total_steps = cfg.max_steps
+    else:
+        steps, = all_reduce([max(1, stream.count_batches(cfg.epochs) // cfg.grad_accum)], op="min")
+        total_steps = int(steps)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg)
@@ -216,9 +219,8 @@ def finish(run, reason, resume_cmd):
                                        "damaged_shards_skipped": stream.damaged,
                                        "samples_untrained": untrained}).encode())
         if untrained:
-            print(f"{untrained} sample(s) of the {cfg.epochs} epoch(s) were not trained: each step takes "
-                  f"batch_size x grad_accum x ranks = {cfg.batch_size * cfg.grad_accum * run.world} samples, and "
-                  "every rank runs the same number of steps", flush=True)
+            print(f"{untrained} sample(s) of the {cfg.epochs} epoch(s) were not trained: every rank runs the "
+                  "same number of steps, the fewest any rank's share fills", flush=True)
         if stream.damaged:
             print(f"skipped {len(stream.damaged)} damaged shard(s), {sum(stream.damaged.values())} samples per "
                   f"epoch: {sorted(stream.damaged)}", flush=True)
@@ -320,13 +322,13 @@ def stops_like_the_teacher(model, tok, manifest):
 
 
 def _untrained(run):
-    """Samples of the epochs no step took (epoch mode with whole batches: the ranks' shares modulo the samples a
-    step takes, and a rank's share beyond the agreed step count); None where not counted (max_steps, a token
-    budget, packing)."""
+    """Samples of the epochs no step took (epoch mode with whole batches: a rank's share beyond the agreed step
+    count); None where not counted (max_steps, a token budget, packing)."""
     cfg = run.cfg
     if cfg.max_steps or cfg.pack or cfg.max_tokens:
         return None
-    left, = all_reduce([run.stream.samples_per_epoch() * cfg.epochs - run.step * cfg.batch_size * cfg.grad_accum])
+    left, = all_reduce([max(0, run.stream.samples_per_epoch() * cfg.epochs
+                            - run.step * cfg.batch_size * cfg.grad_accum)])
     return int(left)
 
 

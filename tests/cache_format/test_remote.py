@@ -23,6 +23,7 @@ from kdcache.cache_format.cli import inspect_main, verify_main
 from kdcache.cache_format.fetch import ShardFetcher
 from kdcache.cache_format.lease import boot_id, live_readers, pid_namespace, process_tag
 from kdcache.cache_format.location import Location
+from kdcache.cache_format.reader import OPEN_SHARDS
 from tests.helpers.cli import ROOT
 from tests.helpers.records import make_records, shard_kwargs, writer_kwargs
 
@@ -263,3 +264,29 @@ def test_a_displaced_writers_upload_never_replaces_a_committed_shard(bucket):
     names = Location(url).list("shards")
     assert len(names) == 2 and not any("0badc0de" in n for n in names)                  # leftovers swept
     assert all(same(a, b) for a, b in zip(recs, open_cache(url)))
+
+
+@pytest.mark.parametrize("order", ["stream", "random"])
+def test_the_download_budget_is_a_bound(bucket, order, monkeypatch):
+    """KDCACHE_FETCH_BYTES of half a shard: the directory used to hold 11-14x the budget (issue 23, item 12). The
+    budget is raised to what a reader needs at once (its open shards and the next), said in a warning, and the
+    files on disk never exceed it, measured right after every download."""
+    url = f"{bucket}/c"
+    m = write_cache(url, make_records(90, seed=12), shard_size=10, **writer_kwargs("arrow"))
+    largest = max(s.bytes for s in m.shards)
+    real, peaks = ShardFetcher._download, []
+
+    def measured(self, j):
+        path = real(self, j)
+        peaks.append(disk_bytes(self.dir))
+        return path
+    monkeypatch.setattr(ShardFetcher, "_download", measured)
+    with pytest.warns(UserWarning, match="below what reading this cache needs"):
+        cache = open_cache(url, fetch_bytes=largest // 2)
+    budget = cache._fetcher.max_bytes
+    assert budget == (OPEN_SHARDS + 1) * largest
+    idx = list(range(len(cache))) if order == "stream" else \
+        list(np.random.default_rng(0).permutation(len(cache))[:60])
+    got = [cache[int(i)].sample_id for i in idx] if order == "random" else [r.sample_id for r in cache]
+    cache.close()
+    assert sorted(got) == sorted(int(i) for i in idx) and peaks and max(peaks) <= budget, (max(peaks), budget)

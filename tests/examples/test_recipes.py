@@ -52,15 +52,6 @@ def kdcache_train_first_loss(setup, out):
     return setup["first_loss"]
 
 
-def test_hf_trainer_recipe_first_loss_equals_kdcache_train(setup, tmp_path):
-    want = kdcache_train_first_loss(setup, tmp_path / "kd")
-    recipe("hf_trainer.py", setup, tmp_path / "hf", "--no-shuffle")
-    losses = json.load(open(tmp_path / "hf" / "kd_losses.json"))
-    assert len(losses) == 3
-    assert abs(losses[0] - want) < 1e-5 * max(1.0, abs(want)), (losses[0], want)
-    assert (tmp_path / "hf" / "config.json").exists()
-
-
 def test_trl_recipe_runs(setup, tmp_path):
     want = kdcache_train_first_loss(setup, tmp_path / "kd")
     recipe("trl_sft.py", setup, tmp_path / "trl", "--no-shuffle")
@@ -73,3 +64,24 @@ def test_plain_loop_recipe_runs_and_learns(setup, tmp_path):
     losses = [float(line.split()[-1]) for line in res.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
     assert (tmp_path / "plain" / "config.json").exists()
+
+
+def test_hf_trainer_recipe_equals_kdcache_train_and_resumes_exactly(setup, tmp_path):
+    """Its first loss is `kdcache train`'s on the same batch (no shuffle, same seed). And 6 steps with a checkpoint
+    at step 3, then a new process resumed from it: steps 4-6 give the losses of the uninterrupted run. The Trainer
+    fetches a batch ahead, so a dataset state taken from its own position would skip that batch (issue 23, item
+    7); the recipe marks what was trained."""
+    want_first = kdcache_train_first_loss(setup, tmp_path / "kd")
+    whole = tmp_path / "whole"
+    recipe("hf_trainer.py", setup, whole, "--steps", 6, "--save-every", 3, "--no-shuffle")
+    want = json.load(open(whole / "kd_losses.json"))
+    assert len(want) == 6 and abs(want[0] - want_first) < 1e-5 * max(1.0, abs(want_first)), (want[0], want_first)
+    assert (whole / "config.json").exists() and (whole / "checkpoint-3" / "kdcache_dataset.json").exists()
+    state = json.load(open(whole / "checkpoint-3" / "kdcache_dataset.json"))
+    assert state["row_cursor"] + state["shard_cursor"] > 0           # mid-epoch: 3 steps of 2 samples in
+    resumed = tmp_path / "resumed"
+    recipe("hf_trainer.py", setup, resumed, "--steps", 6, "--no-shuffle", "--resume", whole / "checkpoint-3")
+    got = json.load(open(resumed / "kd_losses.json"))
+    assert len(got) == 3
+    for a, b in zip(got, want[3:]):
+        assert abs(a - b) < 1e-5 * max(1.0, abs(b)), (got, want[3:])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kdcache.cache_format import write_cache
+from kdcache.common.errors import ConfigError
 from tests.helpers.cli import user_env, user_project
 from tests.helpers.records import make_records, writer_kwargs
 
@@ -80,6 +81,60 @@ def test_state_dict_resumes_exactly(cache_dir):
         again = kdcache.CacheDataset(cache_dir, seed=3, epochs=2)
         again.load_state_dict(state)
         assert head + ids(again) == full
+
+
+def _collate(records):
+    import kdcache
+    return kdcache.collate(records, pad_id=0, student_vocab=300)
+
+
+def test_a_loop_that_fetches_ahead_resumes_at_what_it_trained(cache_dir):
+    """Accelerate and the HF Trainer fetch the next batch before the step on this one is done: the dataset's own
+    position is then one batch past what was trained (issue 23, item 7). mark_trained makes it exact."""
+    import kdcache
+    full = ids(kdcache.CacheDataset(cache_dir, seed=4, epochs=1))
+    ds = kdcache.CacheDataset(cache_dir, seed=4, epochs=1)
+    loader = iter(torch.utils.data.DataLoader(ds, batch_size=4, collate_fn=_collate))
+    trained, ahead = [], next(loader)
+    for _ in range(3):                                 # train a batch while the next one is already fetched
+        batch, ahead = ahead, next(loader)
+        trained += batch.sample_ids
+        ds.mark_trained(batch)
+    assert ds.state_dict() != kdcache.CacheDataset(cache_dir).state_dict()
+    again = kdcache.CacheDataset(cache_dir, seed=4, epochs=1)
+    again.load_state_dict(ds.state_dict())
+    assert trained + ids(again) == full                 # nothing lost (the fetched-ahead batch), nothing twice
+
+
+def test_each_iteration_is_the_next_epoch(cache_dir):
+    import kdcache
+    ds = kdcache.CacheDataset(cache_dir, seed=5, epochs=1)
+    first, second = ids(ds), ids(ds)                    # iterating again used to yield nothing
+    both = ids(kdcache.CacheDataset(cache_dir, seed=5, epochs=2))
+    assert first + second == both and first != second and sorted(second) == list(range(53))
+    ds.set_epoch(5)                                     # the HF Trainer and Accelerate call set_epoch
+    assert sorted(ids(ds)) == list(range(53)) and ids(ds) != first
+
+
+def test_dataloader_workers_resume_exactly_or_are_refused(cache_dir):
+    import kdcache
+    ds = kdcache.CacheDataset(cache_dir, seed=6, epochs=1)
+    trained = []
+    for n, batch in enumerate(torch.utils.data.DataLoader(ds, batch_size=3, num_workers=2, collate_fn=_collate)):
+        if n < 5:
+            trained += batch.sample_ids
+            ds.mark_trained(batch)
+    state = ds.state_dict()
+    assert state["workers"] == 2 and set(state["positions"]) == {"0", "1"}
+    again = kdcache.CacheDataset(cache_dir, seed=6, epochs=1)
+    again.load_state_dict(state)
+    rest = [i for b in torch.utils.data.DataLoader(again, batch_size=3, num_workers=2, collate_fn=_collate)
+            for i in b.sample_ids]
+    assert sorted(trained + rest) == list(range(53)) and not set(trained) & set(rest)
+    other = kdcache.CacheDataset(cache_dir, seed=6, epochs=1)
+    other.load_state_dict(state)
+    with pytest.raises(ConfigError, match="saved with 2 DataLoader worker"):
+        ids(other)                                      # without workers: refused, not all samples again
 
 
 def test_kd_loss_is_the_trainers_loss_mean_and_chunked_agrees(cache_dir):

@@ -139,3 +139,20 @@ def test_a_stream_position_steps_through_rows_segments_and_epochs():
     assert StreamPosition(2, 3, 0).after_row(2, 3, 4) == StreamPosition(3, 0, 0)   # the epoch's last
     assert StreamPosition.from_dict(p.to_dict()) == p
     assert p.to_dict() == {"epoch": 2, "shard_cursor": 1, "row_cursor": 0}      # the checkpoint's keys
+
+
+@pytest.mark.parametrize("max_tokens,batch", [(0, 4), (0, 5), (90, 8), (200, 3), (60, 16)])
+def test_count_batches_is_what_batches_yields(cache_dir, max_tokens, batch):
+    for world, rank in ((1, 0), (3, 2)):
+        s = CacheStream(cache_dir, rank=rank, world=world, seed=2, batch_size=batch, max_tokens=max_tokens,
+                        epochs=2)
+        assert s.count_batches(2) == sum(1 for _ in s.batches()), (max_tokens, batch, world)
+        s.close()
+
+
+@pytest.mark.parametrize("backend", ["arrow", "zarr"])
+def test_a_shard_reports_its_sample_lengths(tmp_path, backend):
+    from kdcache.cache_format import open_cache
+    recs = make_records(300, seed=4)                     # more than one Arrow record batch
+    write_cache(tmp_path, recs, shard_size=300, **writer_kwargs(backend))
+    assert open_cache(tmp_path).shard(0).lengths().tolist() == [len(r.input_ids) for r in recs]

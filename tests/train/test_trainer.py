@@ -328,18 +328,36 @@ def test_ranks_die_with_their_launcher_and_a_second_trainer_is_refused(setup, tm
     assert any(n.startswith("step-") for n in os.listdir(out / "checkpoints"))
 
 
-def test_three_ranks_with_an_uneven_split_agree_on_one_step_count(setup, tmp_path):
-    """16 samples on 3 ranks: shares of 5, 5 and 6, so batch 2 gives 2, 2 and 3 steps an epoch each. Every rank
-    must run the same count (the fewest), or the third calls a collective the others never join (issue 23,
-    item 6), and the learning-rate schedule differs per rank."""
+def test_an_epoch_under_a_token_budget_trains_every_position(setup, tmp_path):
+    """--max-tokens without --pack: micro-batches hold fewer than --batch-size samples, so counting steps from
+    --batch-size stopped the epoch early and said finished (63 of 160 positions, issue 23, item 5)."""
+    from kdcache.cache_format import open_cache
     cache = first_shards(setup, tmp_path / "cache", 2)
+    want = sum(len(r.positions) for r in open_cache(cache))
     out = tmp_path / "o"
-    res = run(train_cmd(dict(setup, cache=cache), out, "--epochs", 1, "--batch-size", 2, "--save-every", 0,
-                        "--threads", 1, "--nproc-per-node", 3), timeout=600)
+    res = run(train_cmd(dict(setup, cache=cache), out, "--epochs", 1, "--batch-size", 8, "--max-tokens", 160,
+                        "--save-every", 0, "--threads", 1))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert [r["step"] for r in losses(out)] == [1, 2]
-    summary = json.load(open(out / "train_summary.json"))
-    assert summary["step"] == 2 and summary["samples_untrained"] == 16 - 2 * 2 * 3      # and says what was left
+    rows = losses(out)
+    assert sum(r["positions"] for r in rows) == want and len(rows) > 16 // 8          # more steps than 16 / 8
+    assert json.load(open(out / "train_summary.json"))["reason"] == "finished"
+
+
+def test_three_ranks_with_an_uneven_split_agree_on_one_step_count(setup, tmp_path):
+    """Rank shares differ by a sample. 16 samples on 3 ranks (5, 5, 6), batch 2: the old count (a share over the
+    batch, rounded down) gave 2, 2 and 3 steps, and the third rank called a collective the others never joined
+    (issue 23, item 6: the run hung). Now the micro-batches are counted (the last one may be short: 3 each, every
+    sample trained), and the ranks take the fewest: 8 samples (2, 3, 3) give 1, 2 and 2, so 1 step, and the
+    summary says 2 samples were left."""
+    for n_shards, steps, left in ((2, 3, 0), (1, 1, 2)):
+        cache = first_shards(setup, tmp_path / f"cache{n_shards}", n_shards)
+        out = tmp_path / f"o{n_shards}"
+        res = run(train_cmd(dict(setup, cache=cache), out, "--epochs", 1, "--batch-size", 2, "--save-every", 0,
+                            "--threads", 1, "--nproc-per-node", 3), timeout=600)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        assert [r["step"] for r in losses(out)] == list(range(1, steps + 1))
+        summary = json.load(open(out / "train_summary.json"))
+        assert summary["step"] == steps and summary["samples_untrained"] == left
 
 
 def test_a_base_student_trains_without_flags_and_its_final_stops_like_the_teacher(setup, tmp_path):
