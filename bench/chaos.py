@@ -13,7 +13,9 @@ with the reference sample by sample: samples lost, samples duplicated, values di
 
 Training: an uninterrupted reference run per world size, then trials with 1 or 2 ranks (kdcache train
 --nproc-per-node) that send SIGTERM, SIGHUP or SIGKILL at a random step, to the process or to the
-whole process group, or SIGKILL exactly while a checkpoint is being committed, then rerun until
+whole process group, or SIGKILL exactly while a checkpoint is being committed, or SIGKILL to the
+`--nproc-per-node` launcher alone (its ranks must stop, not train on as orphans), or start a second
+trainer into the same --out (it must be refused while the first trains on), then rerun until
 finished. The per-step losses must equal the reference's exactly.
 
 A trial is counted only if the fault interrupted the job (the cache was incomplete, or training had
@@ -175,7 +177,30 @@ def _train_plans(args, rng):
         group = ranks == 2 or sig == signal.SIGKILL
         where = "the group of" if group else "the process of"
         plans.append((f"{sig.name} to {where} {ranks} rank(s) at step {at}", (sig, at, group), ranks))
+    at = int(rng.integers(3, steps - 3))
+    plans.append((f"SIGKILL to the launcher alone of 2 ranks at step {at}", (signal.SIGKILL, at, "launcher"), 2))
+    at = int(rng.integers(3, steps - 3))
+    plans.append((f"a second trainer into the same --out at step {at}", ("second", at, None), 1))
     return plans
+
+
+def _out_free(out, timeout=300):
+    """Wait until no trainer holds --out's lock (the kernel drops it when the last holder exits)."""
+    import fcntl
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            fd = os.open(os.path.join(out, ".train.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            time.sleep(0.2)
+        finally:
+            os.close(fd)
+    return False
 
 
 def _interrupt_training(cmd, out, how):
@@ -190,6 +215,18 @@ def _interrupt_training(cmd, out, how):
         if os.path.exists(metrics) and len(open(metrics).readlines()) >= at:
             break
         time.sleep(0.01)
+    if sig == "second":                  # another trainer into the same --out: refused, the first goes on
+        os.killpg(proc.pid, signal.SIGSTOP)  # held at this step, so that it still trains when the second starts
+        try:
+            second = run(cmd)
+        finally:
+            os.killpg(proc.pid, signal.SIGCONT)
+        code = proc.wait()
+        return code if second.returncode == 2 and "Another `kdcache train`" in second.stderr else -999
+    if group == "launcher":              # the launcher alone: its ranks must stop (and free --out), not orphan
+        proc.send_signal(sig)
+        code = proc.wait()
+        return code if _out_free(out) else -998
     os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
     return proc.wait()
 
@@ -216,8 +253,11 @@ def train_trials(args, work, cache, student, rng):
         got = [json.loads(x)["loss"] for x in open(os.path.join(out, "metrics.jsonl"))]
         half = [d for d in os.listdir(os.path.join(out, "checkpoints")) if d.startswith(".tmp")] \
             if os.path.isdir(os.path.join(out, "checkpoints")) else []
+        # -999: the second trainer was not refused; -998: the launcher's ranks kept --out locked (orphans).
+        second = isinstance(how, tuple) and how[0] == "second"
         rows.append({"trial": label, "first_exit": exit_code, "steps_logged_at_stop": stopped_at,
-                     "interrupted": stopped_at < steps, "resumed_ok": res.returncode == 0,
+                     "interrupted": exit_code != -999 if second else stopped_at < steps,
+                     "resumed_ok": res.returncode == 0 and exit_code not in (-999, -998),
                      "losses_equal": got == want[ranks], "steps": len(got), "half_checkpoints_left": len(half)})
     return rows
 

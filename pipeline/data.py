@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kdcache.common.env import env_size
 from kdcache.common.errors import BadRow, DataError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -54,13 +55,39 @@ def iter_rows(path):
         raise DataError(f"dataset {path}: unknown format; use .jsonl, .parquet or a `datasets` save_to_disk directory")
 
 
+MAX_LINE_BYTES = 256 * 2**20     # KDCACHE_MAX_RECORD_BYTES: a longer JSONL line is a bad record, never read whole
+
+
+def jsonl_lines(f):
+    """Yield each line of a binary file, or None for one longer than KDCACHE_MAX_RECORD_BYTES (skipped in
+    bounded chunks: a 2 GB line costs no more memory than the limit)."""
+    limit = env_size("KDCACHE_MAX_RECORD_BYTES", MAX_LINE_BYTES)
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit:
+            yield line
+            continue
+        while not line.endswith(b"\n"):            # the rest of the over-long line
+            line = f.readline(2**20)
+            if not line:
+                break
+        yield None
+
+
 def _iter_jsonl(path):
     index = 0
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+        for lineno, raw in enumerate(jsonl_lines(f), start=1):
+            where = f"{path}:{lineno}"
+            if raw is None:
+                yield Row(index, where, None, "a line longer than KDCACHE_MAX_RECORD_BYTES "
+                          f"({env_size('KDCACHE_MAX_RECORD_BYTES', MAX_LINE_BYTES):,} bytes)")
+                index += 1
+                continue
             if not raw.strip():
                 continue                      # blank lines are not records
-            where = f"{path}:{lineno}"
             try:
                 data = json.loads(raw.decode("utf-8"))
                 error = None

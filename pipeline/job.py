@@ -23,7 +23,7 @@ from kdcache.cache_format.writer import cache_fingerprint, existing_manifest
 from kdcache.common.errors import BadRow, DataError, SkipSample
 
 from . import summary as report
-from .data import iter_rows, parse_row
+from .data import iter_rows, jsonl_lines, parse_row
 from .dispatch import Dispatcher, RayStarter, RunStats, prestart_workers
 from .settle import Job, may_start_early, settle
 from .spool import Spool
@@ -93,7 +93,7 @@ def count_rows(path):
     metadata; anything else: a pass of the reader. The scan checks it read as many."""
     if os.path.isfile(path) and path.endswith((".jsonl", ".json", ".ndjson")):
         with open(path, "rb") as f:
-            return sum(1 for line in f if line.strip())
+            return sum(1 for line in jsonl_lines(f) if line is None or line.strip())
     if os.path.isfile(path) and path.endswith(".parquet"):
         import pyarrow as pa
         import pyarrow.parquet as pq

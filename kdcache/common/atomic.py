@@ -11,9 +11,10 @@ import uuid
 
 # Fault injection for bench/chaos.py and the tests. KDCACHE_CRASH_AT="NAME@N": SIGKILL this process
 # the N-th time it reaches crash point NAME. KDCACHE_ENOSPC_AT="NAME@N": raise "No space left on
-# device" there instead (a disk filling up). Unset in normal runs: one string test, no effect.
+# device" there instead (a disk filling up). KDCACHE_SIGTERM_AT="NAME@N": send this process SIGTERM there and go
+# on (a signal that lands mid-write). Unset in normal runs: one string test, no effect.
 _FAULTS = {kind: os.environ.get(var, "").partition("@") for kind, var in
-           (("kill", "KDCACHE_CRASH_AT"), ("enospc", "KDCACHE_ENOSPC_AT"))}
+           (("kill", "KDCACHE_CRASH_AT"), ("enospc", "KDCACHE_ENOSPC_AT"), ("term", "KDCACHE_SIGTERM_AT"))}
 _HITS = {}
 
 
@@ -24,6 +25,9 @@ def crash_point(name):
             if _HITS[kind] == int(n or 1):
                 if kind == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                elif kind == "term":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    continue
                 raise OSError(28, "No space left on device (injected)")
 
 

@@ -90,3 +90,16 @@ def test_a_corrupt_parquet_file_is_named(tmp_path):
         list(iter_rows(str(bad)))
     with pytest.raises(DataError, match=r"broken\.parquet: cannot be read as Parquet"):
         count_rows(str(bad))
+
+
+def test_a_line_longer_than_the_limit_is_a_bad_row_never_read_whole(tmp_path, monkeypatch):
+    """A 2 GB line would have been read whole and killed the process (issue 23, item 11); the limit is lowered
+    here (KDCACHE_MAX_RECORD_BYTES) so that a 3 MB line is over it."""
+    from kdcache.pipeline.job import count_rows
+    monkeypatch.setenv("KDCACHE_MAX_RECORD_BYTES", "1M")
+    huge = json.dumps({"text": "x" * 3_000_000})
+    path = write_jsonl(tmp_path / "d.jsonl", [CHAT, huge, "", CHAT])
+    rows = list(iter_rows(path))
+    assert len(rows) == 3 == count_rows(path)
+    assert rows[1].error.startswith("a line longer than KDCACHE_MAX_RECORD_BYTES") and rows[1].where == f"{path}:2"
+    assert rows[2].data == CHAT and rows[2].where == f"{path}:4"

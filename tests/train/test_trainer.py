@@ -328,6 +328,20 @@ def test_ranks_die_with_their_launcher_and_a_second_trainer_is_refused(setup, tm
     assert any(n.startswith("step-") for n in os.listdir(out / "checkpoints"))
 
 
+def test_a_sigterm_during_a_periodic_checkpoint_stops_right_after_it(setup, tmp_path):
+    """The signal lands while checkpoint 2 (step 4) is being committed: the run stops at step 4, its checkpoint
+    whole, instead of training step 5 and saving a second time (issue 23, item 14)."""
+    out = tmp_path / "o"
+    env = user_env(KDCACHE_SIGTERM_AT="before-replace-complete.json@2")
+    res = subprocess.run(train_cmd(setup, out, "--max-steps", 12, "--batch-size", 2, "--save-every", 2),
+                         cwd=user_project(), env=env, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "stopped by SIGTERM at step 4" in res.stdout, res.stdout[-2000:]
+    assert [r["step"] for r in losses(out)] == [1, 2, 3, 4]
+    assert sorted(n for n in os.listdir(out / "checkpoints") if n.startswith("step-")) == \
+        ["step-00000002", "step-00000004"]
+
+
 def test_an_epoch_under_a_token_budget_trains_every_position(setup, tmp_path):
     """--max-tokens without --pack: micro-batches hold fewer than --batch-size samples, so counting steps from
     --batch-size stopped the epoch early and said finished (63 of 160 positions, issue 23, item 5)."""
