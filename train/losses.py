@@ -89,18 +89,53 @@ def _generalized_jsd(log_t: Tensor, log_s: Tensor, valid: Tensor, beta: float) -
     return beta * _kl(log_t, log_m, valid) + (1.0 - beta) * _kl(log_s, log_m, valid)
 
 
-def _log_rest_mass(logp: Tensor, ids: Tensor, valid: Tensor) -> Tensor:
-    """log of the student's mass on the ids NOT among row n's valid top-k ids: [N, V], [N, k] -> [N].
+class _LogRestMass(torch.autograd.Function):
+    """log(sum of exp(logp[j]) over the ids j NOT among row n's valid top-k ids): [N, V], [N, k] -> [N].
 
-    A logsumexp over the rest, in log space: a student that puts e^-200 outside the top-k gets a tail of -200, not
-    -inf (a sum of exps underflows below about e^-104 in float32, and 1 - sum(top-k) cancels long before). Rows
-    whose top-k covers the whole vocabulary give -inf (with a finite gradient: _safe_logsumexp)."""
-    any_valid = valid.any(-1, keepdim=True)
-    # Padded slots (-1) repeat the row's first valid id; a row with no valid id writes its own value back.
-    first = ids.gather(1, valid.long().argmax(-1, keepdim=True)).clamp_min(0)
-    idx = torch.where(valid, ids, first).clamp_min(0)
-    fill = torch.where(any_valid, torch.full((), _NEG_INF, dtype=logp.dtype, device=logp.device), logp.gather(1, idx))
-    return _safe_logsumexp(logp.scatter(1, idx, fill), _NEG_INF)
+    One exp pass, one scatter, one sum; backward is p_j / rest for j outside the top-k, 0 inside. The fast path:
+    a rest below about e^-104 underflows to 0 in float32 (-inf here), and _log_rest_mass redoes those rows.
+    """
+
+    @staticmethod
+    def forward(ctx, logp, ids, valid):
+        e = logp.exp()  # [N, V]
+        any_valid = valid.any(-1, keepdim=True)
+        # Padded slots (-1) repeat the row's first valid id, so zeroing them changes nothing; rows with no
+        # valid id write their own value back into column 0 (a no-op).
+        first = ids.gather(1, valid.long().argmax(-1, keepdim=True)).clamp_min(0)
+        idx = torch.where(valid, ids, first).clamp_min(0)
+        src = torch.where(any_valid, torch.zeros((), dtype=e.dtype, device=e.device), e.gather(1, idx))
+        e.scatter_(1, idx, src.expand_as(idx))
+        rest = e.sum(-1)  # [N]
+        ctx.save_for_backward(e, rest)
+        return torch.where(rest > 0, rest.log(), _NEG_INF)
+
+    @staticmethod
+    def backward(ctx, g):
+        e, rest = ctx.saved_tensors
+        scale = torch.where(rest > 0, g / rest.clamp_min(torch.finfo(rest.dtype).tiny), 0.0)
+        return e * scale[:, None], None, None
+
+
+TINY_REST = math.log(1e-30)     # below this the fast path's float32 sum has lost the rest's digits (or all of it)
+
+
+def _log_rest_mass(logp: Tensor, ids: Tensor, valid: Tensor, has_tail: Tensor) -> Tensor:
+    """log of the student's mass on the ids NOT among row n's valid top-k ids: [N, V], [N, k], [N] -> [N].
+
+    One exp pass for every row (_LogRestMass); the rows whose rest is tiny (a student that puts e^-200 outside
+    the top-k) are done again as a masked logsumexp, in log space, so their tail is -200, not -inf. Rows
+    without a tail (has_tail False: the ids cover the vocabulary) keep -inf."""
+    fast = _LogRestMass.apply(logp, ids, valid)  # [N]
+    low = has_tail & (fast < TINY_REST)
+    if not bool(low.any()):
+        return fast
+    rows = low.nonzero()[:, 0]
+    lp, ii, vv = logp[rows], ids[rows], valid[rows]
+    first = ii.gather(1, vv.long().argmax(-1, keepdim=True)).clamp_min(0)
+    idx = torch.where(vv, ii, first).clamp_min(0)
+    exact = _safe_logsumexp(lp.scatter(1, idx, _NEG_INF), _NEG_INF)      # [n_low]
+    return torch.where(low, torch.zeros_like(fast).index_put((rows,), exact), fast)
 
 
 def _student_logp(student_logits: Tensor) -> Tensor:
@@ -131,14 +166,14 @@ def _buckets(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, ta
         # ignored, so it is never pushed down. "tail" mode exists to fix that.
         return _log_normalize(t_top, valid), _log_normalize(s_top / tau, valid), valid
 
-    # Student tail = log of the mass of the ids outside the top-k, a masked logsumexp (exact, in log space), not
-    # 1 - sum(s_i), which cancels catastrophically once the top-k holds nearly all the mass.
-    s_tail = _log_rest_mass(logp, ids, valid)  # [N]
+    # Student tail = log of the mass of the ids outside the top-k, summed directly (and in log space where it is
+    # tiny), not 1 - sum(s_i), which cancels catastrophically once the top-k holds nearly all the mass.
     # Whether a tail bucket exists is a fact about the ids, not about the student's numbers: it exists unless the
     # row's (unique) valid ids cover the whole vocabulary. Then it is dropped on both sides (the teacher's
     # tail_mass is rounding noise) instead of charging KL against an impossible bucket. A student whose mass
     # outside the top-k underflows keeps its bucket, and pays for it.
     has_tail = valid.sum(-1) < v  # [N]
+    s_tail = _log_rest_mass(logp, ids, valid, has_tail)  # [N]
     t_tail = tail_mass.float().clamp(0.0, 1.0).log() / tau
     valid = torch.cat([valid, has_tail[:, None]], dim=1)
     log_s = torch.cat([s_top, s_tail[:, None]], dim=1).masked_fill(~valid, _NEG_INF)
