@@ -89,6 +89,13 @@ def _generalized_jsd(log_t: Tensor, log_s: Tensor, valid: Tensor, beta: float) -
     return beta * _kl(log_t, log_m, valid) + (1.0 - beta) * _kl(log_s, log_m, valid)
 
 
+def _scatter_index(ids: Tensor, valid: Tensor) -> Tensor:
+    """[N, k] column indices of the valid top-k ids; padded slots (-1) repeat the row's first valid id, so a
+    scatter through them writes nothing new."""
+    first = ids.gather(1, valid.long().argmax(-1, keepdim=True)).clamp_min(0)
+    return torch.where(valid, ids, first).clamp_min(0)
+
+
 class _LogRestMass(torch.autograd.Function):
     """log(sum of exp(logp[j]) over the ids j NOT among row n's valid top-k ids): [N, V], [N, k] -> [N].
 
@@ -100,10 +107,8 @@ class _LogRestMass(torch.autograd.Function):
     def forward(ctx, logp, ids, valid):
         e = logp.exp()  # [N, V]
         any_valid = valid.any(-1, keepdim=True)
-        # Padded slots (-1) repeat the row's first valid id, so zeroing them changes nothing; rows with no
-        # valid id write their own value back into column 0 (a no-op).
-        first = ids.gather(1, valid.long().argmax(-1, keepdim=True)).clamp_min(0)
-        idx = torch.where(valid, ids, first).clamp_min(0)
+        # Rows with no valid id write their own value back into column 0 (a no-op).
+        idx = _scatter_index(ids, valid)
         src = torch.where(any_valid, torch.zeros((), dtype=e.dtype, device=e.device), e.gather(1, idx))
         e.scatter_(1, idx, src.expand_as(idx))
         rest = e.sum(-1)  # [N]
@@ -131,10 +136,7 @@ def _log_rest_mass(logp: Tensor, ids: Tensor, valid: Tensor, has_tail: Tensor) -
     if not bool(low.any()):
         return fast
     rows = low.nonzero()[:, 0]
-    lp, ii, vv = logp[rows], ids[rows], valid[rows]
-    first = ii.gather(1, vv.long().argmax(-1, keepdim=True)).clamp_min(0)
-    idx = torch.where(vv, ii, first).clamp_min(0)
-    exact = _safe_logsumexp(lp.scatter(1, idx, _NEG_INF), _NEG_INF)      # [n_low]
+    exact = _safe_logsumexp(logp[rows].scatter(1, _scatter_index(ids[rows], valid[rows]), _NEG_INF), _NEG_INF)
     return torch.where(low, torch.zeros_like(fast).index_put((rows,), exact), fast)
 
 
