@@ -5,6 +5,7 @@ from kdcache.cache_format.compact import LOGPROB_DTYPES
 from kdcache.cache_format.storage import FORMATS, Storage
 from kdcache.common.config import field, validate
 
+from .encode import MAX_MESSAGES
 from .teacher import TEACHERS
 
 
@@ -40,6 +41,8 @@ class PrecomputeConfig:
                                          "context, at most 2048)")
     overlong: str = field("truncate", "over-long samples: truncate (flagged in the cache) or drop (counted)",
                           choices=("truncate", "drop"))
+    max_messages: int = field(MAX_MESSAGES, "messages per chat record at most; a longer chat is skipped and counted "
+                                    "(\"too_many_messages\"): it bounds the template's work on a hostile record")
     on_bad_record: str = field("fail", "malformed records: fail the job, or skip them (counted and listed)",
                                choices=("fail", "skip"))
     shard_size: int = field(256, "samples per shard (the unit of work and of resume)")
@@ -77,6 +80,7 @@ class PrecomputeConfig:
             ("codec", self.codec is None or self.codec in codecs,
              f"is not a codec of the {self.format} format (one of {list(codecs)})"),
             ("max_length", self.max_length is None or self.max_length >= 2, "must be >= 2"),
+            ("max_messages", self.max_messages >= 1, "must be >= 1"),
             ("shard_size", self.shard_size >= 1, "must be >= 1"),
             ("workers", self.workers >= 1, "must be >= 1"),
             ("worker_cpus", self.worker_cpus is None or self.worker_cpus > 0, "must be > 0"),

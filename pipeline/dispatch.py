@@ -25,6 +25,7 @@ from kdcache.cache_format.manifest import shard_range
 from kdcache.common.errors import Interrupted, WorkerDied
 from kdcache.common.signals import SIGNALS, StopFlag
 
+from . import reaper
 from .worker import TeacherWorker, Unit
 
 
@@ -69,7 +70,8 @@ class RayStarter:
     """start_ray in a background thread, so the driver settles the job and reads the dataset meanwhile.
 
     The thread lives until close(): Ray's processes are started with PR_SET_PDEATHSIG, which fires when the
-    thread that started them ends, not the process."""
+    thread that started them ends, not the process. A Ray of the job's own gets a reaper too (pipeline/reaper.py):
+    some of Ray's processes outlive a driver killed by kill -9 otherwise."""
 
     def __init__(self, ray_address, prestart=None):
         """prestart(ray): called in the thread once Ray is up; returns (actors, their options), kept in
@@ -78,6 +80,7 @@ class RayStarter:
         self.ray, self.error, self.up_at, self.prestarted = None, None, None, None
         self._up, self._release = threading.Event(), threading.Event()
         self._closed = False
+        self._reaper = reaper.start() if own_ray(ray_address) else None
         self._thread = threading.Thread(target=self._run, name="kdcache ray start", daemon=True)
         self._thread.start()
 
@@ -118,6 +121,7 @@ class RayStarter:
         finally:
             self._release.set()
             self._thread.join()
+            reaper.stop(self._reaper)
 
 
 def worker_gpus(cfg):

@@ -57,6 +57,7 @@ def end_of_turn_ids(tok, extra=()):
     return sorted(ids)
 
 
+MAX_MESSAGES = 1024      # messages per chat record, by default (a hostile record's template work is bounded)
 DOCUMENT_ENDS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")   # Qwen, Llama 3, Mistral/Llama 2, Gemma
 
 
@@ -82,7 +83,7 @@ class Encoder:
     and the tokenizer's, end_of_turn_ids); the tokenizer's own EOS (self.eos) ends --template raw turns."""
 
     def __init__(self, tok, *, template="auto", max_length=2048, overlong="truncate", turn_ends=(),
-                 drop_end_of_turn=False, text_end=None):
+                 drop_end_of_turn=False, text_end=None, max_messages=MAX_MESSAGES):
         self.tok = tok
         self.has_template = bool(getattr(tok, "chat_template", None))
         if template == "chat" and not self.has_template:
@@ -92,6 +93,7 @@ class Encoder:
         self.turn_ends = set(turn_ends) or set(end_of_turn_ids(tok))
         self.eos = int(tok.eos_token_id) if tok.eos_token_id is not None else min(self.turn_ends)
         self.text_end = document_end_id(tok) if text_end is None else int(text_end)
+        self.max_messages = max_messages
         self.drop_end_of_turn = drop_end_of_turn   # the bug other tools shipped; control experiments only
         # Text beyond this many characters cannot reach max_length tokens' worth of the sample: no token covers
         # more characters than its vocabulary string has, so it is cut before tokenizing (a 20 MB record costs
@@ -101,8 +103,8 @@ class Encoder:
     # -- score mode: whole sequence plus trained spans ---------------------------------
     def encode(self, ex: Example, sample_id: int = 0) -> Sample:
         if ex.kind in ("chat", "pair"):
-            msgs = ex.messages or [{"role": "user", "content": ex.prompt},
-                                   {"role": "assistant", "content": ex.completion}]
+            msgs = self._messages(ex) or [{"role": "user", "content": ex.prompt},
+                                          {"role": "assistant", "content": ex.completion}]
             ids, spans = chat_spans(self.tok, msgs, self.turn_ends, self.max_chars) if self.template == "chat" \
                 else self._raw_chat(msgs)
         else:  # text: every token is a target; the document end appended so the end of a document is learned
@@ -112,6 +114,12 @@ class Encoder:
         if self.drop_end_of_turn:
             positions = positions[~np.isin(np.asarray(ids)[positions + 1], list(self.turn_ends))]
         return self._limit(sample_id, ids, positions)
+
+    def _messages(self, ex: Example):
+        """The record's messages, refused (counted) past max_messages before the template sees any of them."""
+        if ex.messages and len(ex.messages) > self.max_messages:
+            raise SkipSample("too_many_messages", f"{len(ex.messages)} messages > max_messages {self.max_messages}")
+        return ex.messages
 
     def _limit(self, sample_id, ids, positions):
         truncated = False
@@ -141,7 +149,7 @@ class Encoder:
     def encode_prompt(self, ex: Example, sample_id: int = 0) -> Sample:
         if ex.kind == "text":
             raise SkipSample("text_in_generate", "plain text records have no prompt to generate from")
-        msgs = ex.messages or [{"role": "user", "content": ex.prompt}]
+        msgs = self._messages(ex) or [{"role": "user", "content": ex.prompt}]
         msgs = msgs[:max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=len(msgs))]
         if self.template == "chat":
             ids = self.tok(render(self.tok, msgs, gen_prompt=True), add_special_tokens=False)["input_ids"]

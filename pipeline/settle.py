@@ -19,7 +19,7 @@ from kdcache.cache_format.tokenizer_id import tokenizer_identity
 from kdcache.common.errors import ConfigError, DataError
 
 from .dispatch import own_ray, worker_gpus
-from .encode import Encoder, document_end_id, end_of_turn_ids
+from .encode import MAX_MESSAGES, Encoder, document_end_id, end_of_turn_ids
 from .teacher import choose_backend, is_url
 from .worker import WorkerSpec
 
@@ -200,7 +200,8 @@ def _encoder(cfg, tok, server):
         generation_eos_ids(cfg.tokenizer if server else cfg.teacher) + [text_end]
     ends = end_of_turn_ids(tok, extra)
     encoder = Encoder(tok, template=cfg.template, max_length=cfg.max_length, overlong=cfg.overlong,
-                      turn_ends=ends, drop_end_of_turn=cfg.drop_end_of_turn, text_end=text_end)
+                      turn_ends=ends, drop_end_of_turn=cfg.drop_end_of_turn, text_end=text_end,
+                      max_messages=cfg.max_messages)
     if cfg.drop_end_of_turn:
         print("WARNING: --drop-end-of-turn leaves out every end-of-turn position (the bug kdcache exists to "
               "prevent); a student trained on this cache will not learn to stop.", file=sys.stderr)
@@ -255,6 +256,8 @@ def fingerprint_parts(cfg, tok_identity, end_of_turn, backend, dtype, server=Non
                "on_bad_record": cfg.on_bad_record, "text_end": cfg.text_end}
     if cfg.drop_end_of_turn:
         capture["drop_end_of_turn"] = True
+    if cfg.max_messages != MAX_MESSAGES:          # recorded only when changed: older caches keep their fingerprint
+        capture["max_messages"] = cfg.max_messages
     if cfg.mode == "generate":
         capture.update(max_new_tokens=cfg.gen_max_new_tokens, temperature=cfg.gen_temperature,
                        top_p=cfg.gen_top_p, seed=cfg.seed)

@@ -155,3 +155,24 @@ def test_a_huge_record_is_cut_before_tokenizing_and_keeps_the_same_ids(tiny, kin
     with pytest.raises(SkipSample, match="too_long|max_length"):
         Encoder(counting, max_length=64, overlong="drop", template="raw" if kind == "raw" else "auto").encode(
             parse_row(rec))
+
+
+def test_a_chat_past_max_messages_is_skipped_and_counted_before_the_template_runs(tiny):
+    """Issue 23, item 11: the messages per record are capped (configurable), so a hostile 100k-message chat costs
+    nothing; the cap's own length passes."""
+    tok = tiny["tok"]
+    turns = [{"role": r, "content": f"m{i}"} for i in range(6) for r in ("user", "assistant")]   # 12 messages
+    calls = []
+    real = tok.apply_chat_template
+    tok.apply_chat_template = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        with pytest.raises(SkipSample) as e:
+            Encoder(tok, max_length=512, max_messages=11).encode(parse_row({"messages": turns}))
+        assert e.value.reason == "too_many_messages" and "12 messages > max_messages 11" in str(e.value)
+        with pytest.raises(SkipSample, match="too_many_messages|max_messages"):
+            Encoder(tok, max_length=512, max_messages=11).encode_prompt(parse_row({"messages": turns}))
+        n = len(calls)
+        assert Encoder(tok, max_length=512, max_messages=12).encode(parse_row({"messages": turns})).positions.size
+    finally:
+        tok.apply_chat_template = real
+    assert n <= 2 and len(calls) > n          # refused without rendering (Encoder() renders once to find the ends)

@@ -98,8 +98,25 @@ def test_bad_record_fails_by_default_naming_file_and_line(mixed, tmp_path):
     assert not (tmp_path / "c").exists()                      # failed before any teacher work
 
 
+def _session(sid):
+    """{pid: command} of the live processes in session `sid` (the driver's, started with start_new_session)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    found[int(pid)] = f.read().replace(b"\0", b" ")[:80].decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 def test_kill9_then_resume_equals_uninterrupted(tiny, tmp_path):
-    """In the compact mode (ragged rows, sqrt8), so the whole pipeline runs it too. The random-init teacher is
+    """kill -9 of the driver alone: Ray's processes go with it (their PR_SET_PDEATHSIG), the lock is free, and the
+    resume completes the cache. In the compact mode (ragged rows, sqrt8), so the whole pipeline runs it too. The random-init teacher is
     flat (its top 8 hold about 3% of the mass): --top-p 0.01 keeps a few entries per position."""
     data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:60])
     common = ["--teacher", tiny["teacher"], "--data", data, "--backend", "hf", "--top-k", 8, "--shard-size", 2,
@@ -123,8 +140,15 @@ def test_kill9_then_resume_equals_uninterrupted(tiny, tmp_path):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the job finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
+    assert len(_session(proc.pid)) >= 3                     # the driver, Ray's head and a worker at least
+    os.kill(proc.pid, signal.SIGKILL)                       # the driver alone, as `kill -9 PID` does (issue 23)
     proc.wait()
+    left, deadline = _session(proc.pid), time.time() + 20
+    while left and time.time() < deadline:
+        time.sleep(0.5)
+        left = _session(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL) if left else None
+    assert not left, f"Ray's processes outlived the driver: {left}"
     assert 4 <= committed < 30
     assert verify_cache(out).ok                              # what was committed is sound
 
