@@ -116,8 +116,8 @@ def _session(sid):
 
 def test_kill9_then_resume_equals_uninterrupted(tiny, tmp_path):
     """kill -9 of the driver alone: Ray's processes go with it (their PR_SET_PDEATHSIG), the lock is free, and the
-    resume completes the cache. In the compact mode (ragged rows, sqrt8), so the whole pipeline runs it too. The random-init teacher is
-    flat (its top 8 hold about 3% of the mass): --top-p 0.01 keeps a few entries per position."""
+    resume completes the cache. In the compact mode (ragged rows, sqrt8), so the whole pipeline runs it too. The
+    random-init teacher is flat (its top 8 hold about 3% of the mass): --top-p 0.01 keeps a few entries per position."""
     data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:60])
     common = ["--teacher", tiny["teacher"], "--data", data, "--backend", "hf", "--top-k", 8, "--shard-size", 2,
               "--format", "zarr", "--workers", 1, "--logprob-dtype", "sqrt8", "--top-p", 0.01]
