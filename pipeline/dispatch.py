@@ -36,6 +36,7 @@ class RunStats:
     loop_s: float = 0.0      # first shard submitted -> last shard committed (start-up excluded)
     stopped: bool = False    # a signal stopped the run early
     startup: dict = field(default_factory=dict)   # seconds from the job's start: see Dispatcher
+    ray: dict = field(default_factory=dict)       # the cluster the job ran on: its GCS address, whether the job's own
 
 
 class _NotMainThread(logging.Filter):
@@ -252,6 +253,8 @@ class Dispatcher:
         self.ray = self.starter.get()
         _reassert_handlers()
         self.stats.startup.setdefault("ray_s", round((self.starter.up_at or time.time()) - self.t_start, 2))
+        self.stats.ray = {"gcs_address": self.ray.get_runtime_context().gcs_address,
+                          "own": own_ray(self.cfg.ray_address)}
         warm, opts = self.starter.prestarted or ([], None)
         if opts != dict(num_cpus=self.cfg.worker_cpus, num_gpus=self.gpus):
             warm = []                 # not what settle decided: start afresh (ray.shutdown takes the others)

@@ -46,6 +46,7 @@ def summary(cfg, writer, skipped, t_start, stats, shards_at_start):
         # seconds from the job's start: Ray up, the first teacher loaded, the first shard submitted, the dataset
         # read, the first shard committed (pipeline.dispatch.Dispatcher)
         "startup": dict(stats.startup),
+        "ray": dict(stats.ray),                 # where the teacher ran: {gcs_address, own (started by the job)}
         "fidelity": fidelity_text(m), "teacher_on_data": teacher_ce_text(m),
     }
     Location(cfg.out).write_bytes(f"{REPORT_DIR}/summary.json", json.dumps(s, indent=1).encode())

