@@ -1,10 +1,11 @@
 """Format 2's compact storage: adaptive k (top-p), sqrt8 log-probs, target log-probs, per-shard fidelity."""
+import math
 import shutil
 
 import numpy as np
 import pytest
 
-from kdcache.cache_format import compact, open_cache, write_cache
+from kdcache.cache_format import Record, compact, open_cache, write_cache
 from kdcache.cache_format.manifest import cache_stats, load_manifest
 from kdcache.cache_format.verify import verify_cache
 from tests.helpers.cli import ROOT, kdcache
@@ -58,6 +59,35 @@ def test_what_a_reader_gets_is_what_the_mode_promises(tmp_path, backend, dtype, 
     assert st["kl_max"] == pytest.approx(kl.max(), rel=1e-4, abs=1e-9)
     nll = -np.concatenate([r.target_logprobs for r in recs]).astype(np.float64)
     assert st["teacher_ce"] == pytest.approx(nll.mean(), rel=1e-6)
+
+
+def test_the_recorded_kl_of_a_top_p_row_is_the_spec_definition_worked_by_hand(tmp_path):
+    """SPEC.md "Stored fidelity" on one float32 row: exact top-4 probabilities (.5, .3, .1, .05), top_p 0.75 keeps
+    .5 and .3 (.5 < .75 <= .8), the stored tail is 1 - .8 = .2, and each of the 2 dropped ids gets the share
+    .2 / (vocab_size - 2) of it. The writer's kl_max is KL(p || q) with p, q renormalised over the 4 ids."""
+    vocab = 12                                     # small, so the share .2 / 10 = .02 weighs in the KL
+    probs = (0.5, 0.3, 0.1, 0.05)
+    rec = Record(0, np.array([3, 4, 2], np.int32), np.array([1], np.int32), np.array([[4, 7, 1, 9]], np.int32),
+                 np.log(np.array([probs], np.float64)).astype(np.float32))
+    kw = writer_kwargs("arrow", k=4, vocab=vocab, logprob_dtype="float32", top_p=0.75)   # float32: kept .5, .3 exact
+    m = write_cache(tmp_path, [rec], shard_size=1, **kw)
+    got = next(iter(open_cache(tmp_path)))
+    assert got.topk_counts.tolist() == [2] and got.tail_mass[0] == pytest.approx(0.2, abs=1e-6)
+    share = 0.2 / (vocab - 2)
+    p = [x / 0.95 for x in probs]                                  # .95 = .5 + .3 + .1 + .05
+    q = [x / (0.8 + 2 * share) for x in (0.5, 0.3, share, share)]
+    want = sum(a * math.log(a / b) for a, b in zip(p, q))
+    st = cache_stats(m)
+    assert st["kl_max"] == pytest.approx(want, rel=1e-5) and st["kl_mean"] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dense_float32_cache_stores_the_exact_top_k(tmp_path, backend):
+    """No top-p, float32: a reader gets the teacher's numbers, so the recorded KL is exactly 0, not merely small."""
+    m = write_cache(tmp_path, records_with_targets(), shard_size=10,
+                    **writer_kwargs(backend, k=K, vocab=V, logprob_dtype="float32"))
+    st = cache_stats(m)
+    assert st["kl_max"] == 0 and st["kl_mean"] == 0
 
 
 def test_sqrt8_meets_its_stated_error_bound():

@@ -8,9 +8,11 @@ import pytest
 from kdcache.cache_format import CacheError, CacheWriter, Storage, open_cache, write_cache
 from kdcache.cache_format import store as store_mod
 from kdcache.cache_format.cli import gc_main, ls_main
+from kdcache.cache_format.lease import LAST_USED
 from kdcache.cache_format.location import Location
 from kdcache.cache_format.store import gc, list_caches, remove_cache, resolve
 from kdcache.cache_format.writer import cache_fingerprint
+from tests.helpers.cli import kdcache
 from tests.helpers.records import make_records, writer_kwargs
 
 DAY = 86400.0
@@ -82,6 +84,56 @@ def test_gc_removes_old_incomplete_and_unused_caches_only(root):
     assert not Location(plan[0][0].url).exists()                      # and nothing of the other is left
     plan = gc(root, unused_since=time.time() + 60)                    # "not used since a minute from now"
     assert [(e.name.split("--")[0], a) for e, a, _ in plan] == [("done", "removed")] and names(root) == []
+
+
+def backdate(where, written, read):
+    """Make the cache at `where` look committed at unix time `written` and last read at `read`: the manifest's
+    timestamps and the `.last_used.json` stamp a reading run leaves (lease.stamp_use), written directly."""
+    loc = Location(where)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(written))
+    loc.write_json("manifest.json", dict(loc.read_json("manifest.json"), created=stamp, updated=stamp))
+    loc.write_json(LAST_USED, {"time": read, "host": "trainer", "pid": 1})
+
+
+def two_caches_written_a_month_ago(root):
+    """'recent' and 'old', both committed 30 days ago; only the last-use stamp tells them apart: 'recent' was
+    read yesterday, 'old' 30 days ago. Without the stamp both would look unused for a month."""
+    now = time.time()
+    recent, _ = add_cache(root, "recent", "d1")
+    old, _ = add_cache(root, "old", "d2")
+    backdate(recent, now - 30 * DAY, now - 1 * DAY)
+    backdate(old, now - 30 * DAY, now - 30 * DAY)
+    return recent, old
+
+
+def test_gc_unused_since_goes_by_the_last_read_and_a_dry_run_removes_nothing(root):
+    """The `.last_used.json` stamp, not the commit time, decides what is unused; dry_run only reports."""
+    two_caches_written_a_month_ago(root)
+    plan = gc(root, unused_since=time.time() - 7 * DAY, dry_run=True)
+    assert [(e.name.split("--")[0], a) for e, a, _ in plan] == [("old", "would remove")]
+    assert [n.split("--")[0] for n in names(root)] == ["old", "recent"]        # nothing removed
+    plan = gc(root, unused_since=time.time() - 7 * DAY)
+    assert [(e.name.split("--")[0], a) for e, a, _ in plan] == [("old", "removed")]
+    assert [n.split("--")[0] for n in names(root)] == ["recent"]
+
+
+def test_gc_cli_unused_for_and_unused_since_remove_only_the_cache_not_read_lately(tmp_path):
+    """`kdcache gc --unused-for 7d --dry-run` lists the month-old cache and removes nothing; `--unused-since` a
+    week ago picks the same one; without --dry-run only that one goes and the one read yesterday stays."""
+    root = str(tmp_path / "store")
+    recent, old = two_caches_written_a_month_ago(root)
+    old_name = os.path.basename(old)
+    res = kdcache("gc", root, "--unused-for", "7d", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert f"would remove  {old_name}" in res.stdout and os.path.basename(recent) not in res.stdout, res.stdout
+    assert "would remove 1 cache(s)" in res.stdout and os.path.exists(old) and os.path.exists(recent)
+    week_ago = time.strftime("%Y-%m-%d", time.gmtime(time.time() - 7 * DAY))
+    res = kdcache("gc", root, "--unused-since", week_ago, "--dry-run")
+    assert res.returncode == 0 and res.stdout.count("would remove  ") == 1 and old_name in res.stdout, res.stdout
+    res = kdcache("gc", root, "--unused-for", "7d")
+    assert res.returncode == 0 and f"removed       {old_name}" in res.stdout, res.stdout + res.stderr
+    assert names(root) == [os.path.basename(recent)] and not os.path.exists(old)
+    assert len(list(open_cache(recent))) == 12                                 # the recent one is intact
 
 
 def test_gc_never_removes_a_cache_being_read_or_written(root):

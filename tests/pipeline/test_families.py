@@ -7,7 +7,7 @@ from kdcache.common.errors import BadRow
 from kdcache.demo.task import corpus, make_splits
 from kdcache.pipeline.chat import render
 from kdcache.pipeline.data import parse_row
-from kdcache.pipeline.encode import Encoder
+from kdcache.pipeline.encode import Encoder, document_end_id, end_of_turn_ids
 from tests.helpers.families import CHATS, CODE, FAMILIES, corpus_texts, expected_refusal, family_tokenizer
 
 
@@ -108,11 +108,26 @@ def test_the_generation_configs_eos_ids_are_end_of_turn_ids(tokenizers, tmp_path
     assert job.parts["capture"]["eos_token_ids"] == job.turn_ends               # recorded, in the fingerprint
 
 
+# Whether the document-end token is also one of the encoder's end-of-turn ids (the tokenizer's EOS plus the first
+# special token the template writes after an answer):
+DOCUMENT_END_ENDS_A_TURN = {
+    "qwen3": False,     # <|endoftext|>; EOS and the template's turn end are both <|im_end|>
+    "llama3": False,    # <|end_of_text|>; EOS and the template's turn end are both <|eot_id|>
+    "gemma": True,      # <eos> is the tokenizer's EOS (the template's turn end is <end_of_turn>)
+    "mistral": True,    # </s> is the EOS and the template writes it after every answer
+    "chatml": False,    # <|endoftext|>; EOS and the template's turn end are both <|im_end|>
+}
+
+
 @pytest.mark.parametrize("family,end", [("qwen3", "<|endoftext|>"), ("llama3", "<|end_of_text|>"),
                                         ("gemma", "<eos>"), ("mistral", "</s>"), ("chatml", "<|endoftext|>")])
 def test_a_text_record_ends_with_the_document_end_token(tokenizers, family, end):
+    """A text record ends with the family's document-end token, trained; where that token is not the instruct
+    EOS (Qwen, Llama 3) it is not an end-of-turn id, where it is (Gemma, Mistral) it is."""
     tok = tokenizers[family]
-    s = Encoder(tok).encode(parse_row({"text": "docker and kubernetes"}))
+    enc = Encoder(tok)
+    s = enc.encode(parse_row({"text": "docker and kubernetes"}))
     assert tok.convert_ids_to_tokens(int(s.input_ids[-1])) == end and s.positions[-1] == len(s.input_ids) - 2
-    assert int(s.input_ids[-1]) in Encoder(tok).turn_ends or tok.eos_token == end or family in ("qwen3", "chatml",
-                                                                                               "llama3")
+    assert int(s.input_ids[-1]) == document_end_id(tok)
+    assert (document_end_id(tok) in enc.turn_ends) is DOCUMENT_END_ENDS_A_TURN[family]
+    assert (document_end_id(tok) in end_of_turn_ids(tok)) is DOCUMENT_END_ENDS_A_TURN[family]

@@ -26,13 +26,20 @@ def test_pack_rows_first_fit():
 
 
 def test_packed_layout_restarts_positions():
+    """Each packed row's position_ids are arange(len(sample)) for every sample in it, in order (the padding after
+    the last one a segment of its own), so no sample's positions run on from the one before it."""
     recs = make_records(5, seed=2, min_len=6, max_len=20)
     b = collate(recs, pad_id=0, student_vocab=300, pack_len=40)
     assert b.attention_mask is None and b.input_ids.shape[0] < 5
-    pos_ids = b.position_ids.numpy()
-    for r in range(pos_ids.shape[0]):
-        starts = np.flatnonzero(pos_ids[r] == 0)
-        assert len(starts) >= 1
+    ids, pos_ids = b.input_ids.numpy(), b.position_ids.numpy()
+    place, _ = pack_rows([len(r.input_ids) for r in recs], 40)
+    rows = [[r for r, (row, _) in zip(recs, place) if row == i] for i in range(ids.shape[0])]
+    assert max(map(len, rows)) >= 2                                     # some row holds more than one sample
+    for i, row in enumerate(rows):
+        used = sum(len(r.input_ids) for r in row)
+        np.testing.assert_array_equal(ids[i, :used], np.concatenate([r.input_ids for r in row]))
+        want = np.concatenate([np.arange(len(r.input_ids)) for r in row] + [np.arange(ids.shape[1] - used)])
+        np.testing.assert_array_equal(pos_ids[i], want)
     # every target is still the next token of its own sample
     want = np.concatenate([r.targets for r in recs])
     np.testing.assert_array_equal(b.targets.numpy(), want)
