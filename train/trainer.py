@@ -188,13 +188,17 @@ def optimizer_step(run, window, position):
     run.step += 1
     run.stream.position = position
     now = time.perf_counter()
-    tok_s, = all_reduce([sum(b.n_tokens for b in window) / max(now - run.t_last, 1e-9)])
+    tok_s, rows, computed = all_reduce([sum(b.n_tokens for b in window) / max(now - run.t_last, 1e-9),
+                                        float(sum(b.input_ids.shape[0] for b in window)),
+                                        float(sum(b.input_ids.numel() for b in window))])
     run.t_last = now
     if run.stage > 0:
         grad_norm = _grad_norm(engine)
     return {"step": run.step, "loss": loss, "kd": kd, "sft": sft, "positions": int(n_total),
             "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm, "tokens_per_s": round(tok_s, 1),
-            "epoch": run.stream.position.epoch, "outside_vocab": sum(b.n_outside_vocab for b in window)}
+            "epoch": run.stream.position.epoch, "outside_vocab": sum(b.n_outside_vocab for b in window),
+            # what the forward passes held, every rank's: rows and tokens with padding (--pack lowers both)
+            "rows": int(rows), "batch_tokens": int(computed)}
 
 
 def finish(run, reason, resume_cmd):

@@ -30,7 +30,7 @@ def setup(tiny, tmp_path_factory):
     student = make_model(tiny["tok"], "test", seed=5)
     student.config.save_pretrained(str(d / "student"))
     tiny["tok"].save_pretrained(str(d / "student"))
-    return {"cache": d / "cache", "student": d / "student", "dir": d}
+    return {"cache": d / "cache", "student": d / "student", "dir": d, "records": tiny["train"]}
 
 
 def train_cmd(setup, out, *extra):
@@ -55,6 +55,16 @@ def test_training_lowers_the_distillation_loss_and_saves_a_loadable_student(setu
     assert res.returncode == 0, res.stderr[-3000:]
     rows = losses(tmp_path / "o")
     assert [r["step"] for r in rows] == list(range(1, 31))
+    # the outputs the README names: each metrics field filled in, tensorboard events, the run's settings
+    warm = [r["lr"] for r in rows[:3]]
+    assert warm[0] < warm[1] <= 3e-3 and rows[-1]["lr"] < max(r["lr"] for r in rows)     # warm-up, then decay
+    assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["epoch"] >= 0 for r in rows)
+    assert rows[-1]["epoch"] > rows[0]["epoch"]                  # 30 steps of 4 over 48 samples: epochs 0-2
+    events = [f for f in os.listdir(tmp_path / "o" / "tensorboard") if f.startswith("events.out.tfevents")]
+    assert events and os.path.getsize(tmp_path / "o" / "tensorboard" / events[0]) > 100
+    import yaml
+    saved = yaml.safe_load(open(tmp_path / "o" / "train_config.yaml"))
+    assert saved["batch_size"] == 4 and saved["max_steps"] == 30 and saved["lr"] == 3e-3
     first, last = sum(r["kd"] for r in rows[:3]) / 3, sum(r["kd"] for r in rows[-3:]) / 3
     assert last < 0.7 * first, (first, last)
     from transformers import AutoModelForCausalLM
@@ -92,6 +102,8 @@ def test_loss_is_normalised_over_all_positions_of_the_accumulation_window(setup,
         assert x["positions"] == y["positions"] == z["positions"]
         assert abs(x["loss"] - y["loss"]) < 1e-5 * max(1.0, abs(x["loss"])), (x, y)
         assert abs(x["loss"] - z["loss"]) < 1e-5 * max(1.0, abs(x["loss"])), (x, z)
+        # ... while --pack really packed: fewer rows in its forward passes, none longer than --max-tokens
+        assert x["rows"] == 4 and z["rows"] < x["rows"] and z["batch_tokens"] <= 256 * z["rows"], (x, z)
 
 
 def test_training_from_s3_equals_training_from_local_disk(setup, base_run, tmp_path, bucket):
@@ -155,15 +167,29 @@ def test_half_written_checkpoint_is_never_picked(setup, tmp_path):
 def two_process_run(setup, out, stage):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(29517 + stage),
            "-m", "kdcache", *train_cmd(setup, out, "--max-steps", 4, "--batch-size", 2, "--save-every", 2,
-                                       "--threads", 1, "--deepspeed", stage)[3:]]
+                                       "--threads", 1, "--deepspeed", stage, "--no-shuffle")[3:]]
     res = run(cmd)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:])
     return losses(out)
 
 
 def test_two_ranks_zero0_from_disk_and_zero3_from_s3_agree(setup, tmp_path, bucket):
+    """A cache whose second half repeats its first, read in order: rank 1 reads what rank 0 reads, so 2 ranks of
+    batch 2 must give the per-step losses of 1 rank of batch 2 (a wrong world factor in the loss or the gradient
+    would change them), with twice its positions."""
+    data = write_jsonl(tmp_path / "d.jsonl", setup["records"][:8] * 2)
+    res = precompute("--teacher", setup["dir"] / "teacher", "--data", data, "--out", tmp_path / "cache", "--backend",
+                     "hf", "--top-k", 32, "--shard-size", 8)
+    assert res.returncode == 0, res.stderr
+    setup = dict(setup, cache=tmp_path / "cache")
+    one = run(train_cmd(setup, tmp_path / "one", "--max-steps", 4, "--batch-size", 2, "--save-every", 0,
+                        "--threads", 1, "--no-shuffle"))
+    assert one.returncode == 0, one.stderr[-3000:]
     rows = two_process_run(setup, tmp_path / "z0", 0)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for a, b in zip(losses(tmp_path / "one"), rows):
+        assert b["positions"] == 2 * a["positions"], (a, b)
+        assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(a["loss"])), (a, b)
     ck = tmp_path / "z0" / "checkpoints" / "step-00000004"
     assert (ck / "rank-00000.json").exists() and (ck / "rank-00001.json").exists()
     assert json.load(open(ck / "complete.json"))["world_size"] == 2
