@@ -41,6 +41,15 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def stopping(tiny):
+    """{"sampled": a teacher that ends about half its sampled completions, "greedy": one whose greedy completions
+    end at once for some prompts and never for others} (tests/helpers/teachers.py)."""
+    from tests.helpers.teachers import stopping_teacher
+    return {"sampled": stopping_teacher(tiny["tok"], tiny["dir"] / "stop-sampled", 0.5),
+            "greedy": stopping_teacher(tiny["tok"], tiny["dir"] / "stop-greedy", 1.0)}
+
+
+@pytest.fixture(scope="session")
 def s3():
     """A real S3-compatible server (moto) on 127.0.0.1 for the whole session; this process and its children
     (Ray workers, trainers) reach it through AWS_ENDPOINT_URL. Tests make their own buckets."""

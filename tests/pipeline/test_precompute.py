@@ -165,19 +165,38 @@ def test_kill9_then_resume_equals_uninterrupted(tiny, tmp_path):
     assert (np.concatenate([r.topk_counts for r in a]) < 8).any()       # the rows really are ragged
 
 
-def test_generate_mode_stores_teacher_completions(tiny, tmp_path):
-    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:4])
-    res = precompute("--teacher", tiny["teacher"], "--data", data, "--out", tmp_path / "g", "--backend", "hf",
-                     "--mode", "generate", "--gen-max-new-tokens", 6, "--top-k", 8)
-    assert res.returncode == 0, res.stderr
-    tok = tiny["tok"]
-    for raw, rec in zip(tiny["train"][:4], open_cache(tmp_path / "g")):
+def test_generate_mode_stores_teacher_completions(tiny, stopping, tmp_path):
+    """Sampled generate mode (temperature 1, the default) with a teacher that stops: every generated step is
+    trained, the end-of-turn step of a completion that ended included, and one that did not is flagged; per-sample
+    seeds give the same completions under another shard size; --gen-top-p near 0 is greedy decoding."""
+    tok, rows = tiny["tok"], tiny["train"][:8]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    common = ["--teacher", stopping["sampled"], "--data", data, "--backend", "hf", "--mode", "generate",
+              "--gen-max-new-tokens", 12, "--top-k", 8, "--logprob-dtype", "float32"]
+    for out, extra in (("g", ["--shard-size", 4]), ("g3", ["--shard-size", 3]), ("top", ["--gen-top-p", 1e-6])):
+        res = precompute(*common, "--out", tmp_path / out, *extra)
+        assert res.returncode == 0, res.stderr
+        assert verify_cache(tmp_path / out).ok
+    eos, ended = tok.eos_token_id, []
+    for raw, rec in zip(rows, open_cache(tmp_path / "g")):
         prompt = tok.apply_chat_template(raw["messages"][:-1], tokenize=False, add_generation_prompt=True)
         n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
         assert rec.positions[0] == n_prompt - 1 and rec.positions[-1] == len(rec.input_ids) - 2
-        ended = rec.input_ids[-1] == tok.eos_token_id
-        assert rec.truncated == (not ended)                  # random teacher: no EOS within 6 tokens is flagged
-    assert verify_cache(tmp_path / "g").ok
+        ended.append(bool(rec.input_ids[-1] == eos))
+        assert rec.truncated == (not ended[-1])
+        assert (rec.targets == eos).sum() == ended[-1]             # the end-of-turn step is the last, trained
+        assert len(rec.input_ids) - n_prompt == (len(rec.positions)) <= 12
+    assert any(ended) and not all(ended), ended                    # both kinds really ran
+    for a, b in zip(open_cache(tmp_path / "g"), open_cache(tmp_path / "g3")):
+        assert a.input_ids.tolist() == b.input_ids.tolist()        # per-sample seeds: batching changes nothing
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(stopping["sampled"], dtype=torch.float32).eval()
+    for raw, rec in zip(rows, open_cache(tmp_path / "top")):       # top-p near 0 keeps the likeliest token only
+        ids = tok.apply_chat_template(raw["messages"][:-1], add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        greedy = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                eos_token_id=eos, pad_token_id=tok.pad_token_id)[0]
+        assert rec.input_ids.tolist() == greedy.tolist()
 
 
 def test_existing_ray_cluster_same_code_path(mixed, tmp_path, monkeypatch):

