@@ -118,13 +118,20 @@ def test_training_from_s3_equals_training_from_local_disk(setup, base_run, tmp_p
     assert live_readers(Location(url)) == [] and Location(url).exists(".last_used.json")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_signal_mid_run_then_resume_gives_identical_losses(setup, tmp_path, sig):
-    steps = 24
-    ref_out = setup["dir"] / "ref-run"
+def reference_run(setup, steps=24):
+    """`steps` uninterrupted steps of batch 2 (the schedule's length is part of it): what an interrupted run of as
+    many steps must reproduce."""
+    ref_out = setup["dir"] / f"ref-run-{steps}"
     if not (ref_out / "train_summary.json").exists():
         ref = run(train_cmd(setup, ref_out, "--max-steps", steps, "--batch-size", 2, "--save-every", 0))
         assert ref.returncode == 0, ref.stderr[-3000:]
+    return ref_out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_signal_mid_run_then_resume_gives_identical_losses(setup, tmp_path, sig):
+    steps = 24
+    ref_out = reference_run(setup, steps)
     out = tmp_path / "o"
     env = user_env()
     # A run started from a terminal, not under nohup (which the suite itself may run under): SIGHUP not ignored.
@@ -148,6 +155,93 @@ def test_signal_mid_run_then_resume_gives_identical_losses(setup, tmp_path, sig)
     got, want = losses(out), losses(ref_out)
     assert [r["step"] for r in got] == list(range(1, steps + 1))
     assert [r["loss"] for r in got] == [r["loss"] for r in want]      # bit-identical on CPU
+
+
+def test_kill9_mid_checkpoint_and_mid_step_then_resume_gives_identical_losses(setup, tmp_path):
+    """kill -9 of `kdcache train` (README: rule 3) while it commits its second checkpoint (a crash point), and at
+    a moment mid-run (SIGKILL to the group): each resume redoes the steps since the last complete checkpoint
+    with the reference run's losses."""
+    want = [r["loss"] for r in losses(reference_run(setup, 12))]
+    out = tmp_path / "o"
+    cmd = train_cmd(setup, out, "--max-steps", 12, "--batch-size", 2, "--save-every", 2)
+    env = dict(user_env(), KDCACHE_CRASH_AT="before-replace-complete.json@2")
+    first = subprocess.run(cmd, cwd=user_project(), env=env, capture_output=True, text=True, timeout=400)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]           # the fault landed, at step 4
+    ck = out / "checkpoints"
+    assert (ck / "step-00000002" / "complete.json").exists() and not (ck / "step-00000004").exists()
+    assert len(losses(out)) == 4
+    proc = subprocess.Popen(cmd, cwd=user_project(), env=user_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and len(losses(out)) < 7:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    output, _ = proc.communicate(timeout=60)
+    assert "resumed from" in output and "step-00000002" in output
+    assert 7 <= len(losses(out)) < 12
+    res = run(cmd)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout
+    got = losses(out)
+    assert [r["step"] for r in got] == list(range(1, 13))
+    assert [r["loss"] for r in got] == want[:12]                      # bit-identical on CPU
+
+
+def test_resume_from_a_path_continues_and_resume_never_starts_over(setup, tmp_path):
+    """--resume PATH: a new --out continues from that checkpoint (steps 3-6 as the first run's); --resume never
+    into an --out with checkpoints trains from step 1 again, the old run's checkpoints kept."""
+    a = tmp_path / "a"
+    res = run(train_cmd(setup, a, "--max-steps", 6, "--batch-size", 2, "--save-every", 2, "--keep-checkpoints", 3))
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = [r["loss"] for r in losses(a)]
+    path = a / "checkpoints" / "step-00000002"
+    b = tmp_path / "b"
+    res = run(train_cmd(setup, b, "--max-steps", 6, "--batch-size", 2, "--save-every", 0, "--resume", path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout and "step-00000002" in res.stdout
+    got = losses(b)
+    assert [r["step"] for r in got] == [3, 4, 5, 6] and [r["loss"] for r in got] == want[2:6]
+    # 3 steps: the warm-up's 2 and a third at the full rate, as in the 6-step run
+    res = run(train_cmd(setup, a, "--max-steps", 3, "--batch-size", 2, "--save-every", 0, "--resume", "never"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" not in res.stdout
+    assert [r["loss"] for r in losses(a)][-3:] == want[:3]          # a new run from the initial weights
+    assert (a / "checkpoints" / "step-00000006" / "complete.json").exists()
+
+
+def test_non_default_loss_settings_and_a_deepspeed_file_reach_the_step(setup, tmp_path):
+    """--beta, --temperature, --tail renorm, --sft-alpha, --loss-chunk and --deepspeed FILE.json, end to end: the
+    first step's logged loss is the loss of those settings on the first batch at the initial weights, worked out
+    here in-process (far from the default settings' loss), and the JSON's ZeRO stage is the one that ran."""
+    from kdcache.cache_format import open_cache
+    from kdcache.train.batch import collate
+    from kdcache.train.losses import LossConfig
+    from kdcache.train.model import DistillModule, load_student
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    out = tmp_path / "o"
+    res = run(train_cmd(setup, out, "--max-steps", 1, "--batch-size", 2, "--no-shuffle", "--save-every", 1,
+                        "--beta", 0.5, "--temperature", 2.0, "--tail", "renorm", "--sft-alpha", 0.3,
+                        "--loss-chunk", 16, "--deepspeed", ds))
+    assert res.returncode == 0, res.stderr[-3000:]
+    got, = losses(out)
+    cache = open_cache(setup["cache"])
+    model = load_student(str(setup["student"]), seed=0)
+    batch = collate([cache[0], cache[1]], pad_id=0, student_vocab=model.get_input_embeddings().weight.shape[0])
+    with torch.no_grad():
+        def loss_of(**settings):
+            total, parts = DistillModule(model, LossConfig(**settings))(batch)
+            return float(total) / batch.n_positions, parts["kd"] / batch.n_positions, parts["sft"] / batch.n_positions
+        loss, kd, sft = loss_of(beta=0.5, temperature=2.0, tail="renorm", sft_alpha=0.3, chunk_size=16)
+        default, _, _ = loss_of()
+    assert got["positions"] == batch.n_positions
+    assert got["loss"] == pytest.approx(loss, rel=1e-5) and got["kd"] == pytest.approx(kd, rel=1e-5)
+    assert got["sft"] == pytest.approx(sft, rel=1e-5) and sft > 0
+    assert abs(default - loss) > 0.05 * abs(default)                    # the settings matter to this figure
+    ck = out / "checkpoints" / "step-00000001"
+    names = [f for _, _, files in os.walk(ck) for f in files]
+    assert any("optim_states" in f for f in names), names               # ZeRO >= 1 writes partitioned optimizer state
 
 
 def test_half_written_checkpoint_is_never_picked(setup, tmp_path):

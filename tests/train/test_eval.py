@@ -1,0 +1,51 @@
+"""`kdcache eval`'s measures on models whose answers are known: one that always ends at once, one that never
+ends, and two copies of one model."""
+import json
+
+import pytest
+import torch
+
+from kdcache.train.eval import evaluate
+from tests.helpers.cli import write_jsonl
+
+DIM = 0
+
+
+def fixed_model(tok, out_dir, emit):
+    """A tiny model whose greedy choice is `emit` at every step: every input embedding gets a large value on one
+    dimension (so the normed hidden state is large and positive there), and only `emit`'s row of an untied head
+    reads it."""
+    from kdcache.demo.models import make_model, save
+    model = make_model(tok, "test", seed=1)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, DIM] += 50.0
+        head = torch.zeros_like(model.model.embed_tokens.weight)
+        head[emit, DIM] = 10.0
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(head)
+    return save(model, tok, str(out_dir))
+
+
+@pytest.fixture(scope="module")
+def models(tiny, tmp_path_factory):
+    tok, d = tiny["tok"], tmp_path_factory.mktemp("eval")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token_id == end                      # what generation_config stops on
+    word = tok.convert_tokens_to_ids(tok.tokenize("docker")[0])
+    return {"ends": fixed_model(tok, d / "ends", end), "never": fixed_model(tok, d / "never", word),
+            "data": write_jsonl(d / "heldout.jsonl", tiny["heldout"][:5]), "tok": tok, "word": word}
+
+
+def test_stop_rate_length_and_kl_of_models_whose_answers_are_known(models):
+    res = evaluate({"ends": models["ends"], "never": models["never"], "same": models["ends"]}, models["data"],
+                   reference="ends", max_new_tokens=6)
+    ends, never, same = res["ends"], res["never"], res["same"]
+    assert ends["prompts"] == never["prompts"] == 5
+    assert ends["stop_rate"] == 1.0 and ends["lengths"] == [1] * 5 and ends["answers"] == [""] * 5
+    assert never["stop_rate"] == 0.0 and never["lengths"] == [6] * 5 and never["max_length"] == 6
+    assert never["exact_match"] == 0.0
+    assert never["answers"] == [models["tok"].decode([models["word"]] * 6).strip()] * 5        # what it was made to say
+    assert same["kl_from_reference"] == pytest.approx(0.0, abs=1e-9)              # a model against itself
+    assert never["kl_from_reference"] > 10                                     # every answer token far apart
+    assert "kl_from_reference" not in ends
+    json.dumps(res)                                                            # eval.json can hold it
