@@ -1,7 +1,10 @@
 """Fault injection: kill precompute and training at random and at chosen moments; count what is lost.
 
-    .venv/bin/python bench/chaos.py [--trials 6] [--train-trials 6] [--seed 0]     (or: make chaos)
-    .venv/bin/python bench/chaos.py --s3 --train-trials 0     (precompute into an S3-compatible server)
+    .venv/bin/python bench/chaos.py [--trials N per kind] [--kinds K,...] [--seed S]     (or: make chaos)
+    .venv/bin/python bench/chaos.py --s3 --kinds precompute     (precompute into an S3-compatible server)
+
+Every moment (kill times, crash-point counts, steps, shard sizes, rank counts) is drawn from one seed, printed at
+the start: --seed S reruns the same trials.
 
 Precompute: an uninterrupted reference run, then trials (each with its own --shard-size) that kill -9
 the whole process tree at a random moment, send SIGTERM or SIGHUP to the whole process group (a
@@ -108,22 +111,49 @@ def _reference_precompute(args, common, ref):
     return time.time() - t0, (last or time.time()) - first
 
 
+def _session(sid):
+    """Live pids in session `sid` (a job started with start_new_session): what is left of it."""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                left.append(int(pid))
+        except (OSError, ValueError, IndexError):
+            continue
+    return left
+
+
 def _interrupt_precompute(cmd, out, how):
-    """Run cmd and interrupt it as `how` says: ("crash", point), ("kill9", delay) or (signal, delay) to the
-    whole process group. Returns True if the interruption landed (the job stopped before finishing)."""
+    """Run cmd and interrupt it as `how` says: ("crash", point), ("kill9", delay) to the process tree,
+    ("kill9-driver", delay) to the driver alone, or (signal, delay) to the whole process group. Returns
+    (landed: the job stopped before finishing, orphans: processes of the job alive 20 s after a driver kill)."""
     kind, value = how
     if kind == "crash":
         first = run(cmd, env=dict(os.environ, KDCACHE_CRASH_AT=value))
-        return first.returncode != 0 and not _complete(out)
+        return first.returncode != 0 and not _complete(out), 0
     proc = start(cmd)
     while proc.poll() is None and not _committed(out):
         time.sleep(0.05)
     time.sleep(value)
     if proc.poll() is not None:
-        return False                     # finished before the kill: this trial cannot count
-    os.killpg(proc.pid, signal.SIGKILL if kind == "kill9" else kind)
-    proc.wait()
-    return not _complete(out)
+        return False, 0                  # finished before the kill: this trial cannot count
+    orphans = 0
+    if kind == "kill9-driver":
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 20
+        while _session(proc.pid) and time.time() < deadline:
+            time.sleep(0.2)
+        left = _session(proc.pid)
+        orphans = len(left)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL if kind == "kill9" else kind)
+        proc.wait()
+    return not _complete(out), orphans
 
 
 def _complete(out):
@@ -131,6 +161,39 @@ def _complete(out):
         return bool(Location(out).read_json("manifest.json")["complete"])
     except (OSError, ValueError):
         return False
+
+
+PRECOMPUTE_KINDS = ("worker-crash", "driver-crash", "sigterm", "sighup", "kill9-tree", "kill9-driver")
+TRAIN_KINDS = ("checkpoint-crash", "sigterm", "sighup", "sigkill", "launcher-kill9", "second-trainer")
+
+
+def _precompute_plans(args, rng, window, s3):
+    """(kind, label, how, shard size): args.trials of each kind in args.kinds, moments drawn from rng."""
+    plans = []
+    for kind in PRECOMPUTE_KINDS:
+        if f"precompute:{kind}" not in args.kinds:
+            continue
+        for _ in range(args.trials):
+            size = int(rng.choice(SHARD_SIZES))
+            shards = -(-args.records // size)
+            if kind == "worker-crash":
+                n = int(rng.integers(1, shards))
+                point = f"before-upload@{n}" if s3 else f"before-publish@{n}"
+                label, how = f"crash point: worker, before shard {n}'s {'upload' if s3 else 'rename'}", ("crash", point)
+            elif kind == "driver-crash":
+                n = int(rng.integers(2, shards + 1))
+                label, how = f"crash point: driver, before manifest.json replace {n}", \
+                    ("crash", f"before-replace-manifest.json@{n}")
+            elif kind in ("sigterm", "sighup"):
+                sig, t = getattr(signal, kind.upper()), float(rng.uniform(0, window))
+                label, how = f"{sig.name} to the group {t:.2f} s after the first commit", (sig, t)
+            else:
+                t = float(rng.uniform(0, window))
+                alone = kind == "kill9-driver"
+                label = f"kill -9 {'driver alone' if alone else 'tree'} {t:.2f} s after the first commit"
+                how = ("kill9-driver" if alone else "kill9", t)
+            plans.append((f"precompute:{kind}", f"{label}, shards of {size}", how, size))
+    return plans
 
 
 def precompute_trials(args, work, teacher, rng, root):
@@ -141,18 +204,11 @@ def precompute_trials(args, work, teacher, rng, root):
               "--no-progress", "--worker-cpus", 0.5]
     ref = f"{root}/pre-ref"
     duration, window = _reference_precompute(args, common, ref)
-    plans = [("crash point: worker, before a shard upload", ("crash", "before-upload@3")) if root.startswith("s3://")
-             else ("crash point: worker, before a shard rename", ("crash", "before-publish@3")),
-             ("crash point: driver, before manifest.json replace", ("crash", "before-replace-manifest.json@5"))]
-    plans += [(f"{sig.name} to the group {t:.2f} s after the first commit", (sig, t)) for sig, t in
-              ((signal.SIGTERM, rng.uniform(0, window / 2)), (signal.SIGHUP, rng.uniform(0, window / 2)))]
-    plans += [(f"kill -9 tree {t:.2f} s after the first commit", ("kill9", t)) for t in
-              sorted(rng.uniform(0, window) for _ in range(max(0, args.trials - len(plans))))]
     rows = []
-    for i, (label, how) in enumerate(plans):
-        out, size = f"{root}/pre-{i}", int(rng.choice(SHARD_SIZES))
+    for i, (kind, label, how, size) in enumerate(_precompute_plans(args, rng, window, root.startswith("s3://"))):
+        out = f"{root}/pre-{i}"
         cmd = kdcache_cmd(*common, "--shard-size", size, "--out", out)
-        interrupted = _interrupt_precompute(cmd, out, how)
+        interrupted, orphans = _interrupt_precompute(cmd, out, how)
         committed = _committed(out)
         sound_after_kill = verify_cache(out).ok if committed else True
         for _ in range(3):
@@ -161,26 +217,40 @@ def precompute_trials(args, work, teacher, rng, root):
                 break
         rep = verify_cache(out)
         lost, dup, differ = compare_caches(ref, out)
-        rows.append({"trial": f"{label}, shards of {size}", "interrupted": interrupted, "shards_at_kill": committed,
+        ok = rep.ok and sound_after_kill and res.returncode == 0 and not (lost or dup or differ or orphans)
+        rows.append({"kind": kind, "trial": label, "interrupted": interrupted, "shards_at_kill": committed,
                      "sound_after_kill": sound_after_kill, "resumed_ok": res.returncode == 0, "verify": rep.ok,
-                     "lost": lost, "duplicated": dup, "different": differ})
+                     "lost": lost, "duplicated": dup, "different": differ, "orphans": orphans, "ok": ok})
+        print(f"  {kind}: {label}: {'ok' if ok else 'FAIL'}{'' if interrupted else ' (not counted)'}", flush=True)
+        if not args.keep and not root.startswith("s3://"):
+            shutil.rmtree(out, ignore_errors=True)
     return rows, duration, window
 
 
 def _train_plans(args, rng):
-    """(label, crash point or (signal, step, to the group?), ranks) for each training trial."""
-    steps = args.steps
-    sigs = [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL]
-    plans = [("SIGKILL while committing checkpoint 2", "before-replace-complete.json@2", 1)]
-    for i in range(max(0, args.train_trials - 1)):
-        sig, at, ranks = sigs[i % 3], int(rng.integers(3, steps - 3)), 2 if i % 2 else 1
-        group = ranks == 2 or sig == signal.SIGKILL
-        where = "the group of" if group else "the process of"
-        plans.append((f"{sig.name} to {where} {ranks} rank(s) at step {at}", (sig, at, group), ranks))
-    at = int(rng.integers(3, steps - 3))
-    plans.append((f"SIGKILL to the launcher alone of 2 ranks at step {at}", (signal.SIGKILL, at, "launcher"), 2))
-    at = int(rng.integers(3, steps - 3))
-    plans.append((f"a second trainer into the same --out at step {at}", ("second", at, None), 1))
+    """(kind, label, crash point or (signal, step, to whom), ranks): args.trials of each kind in args.kinds."""
+    steps, plans = args.steps, []
+    for kind in TRAIN_KINDS:
+        if f"train:{kind}" not in args.kinds:
+            continue
+        for _ in range(args.trials):
+            at, ranks = int(rng.integers(3, steps - 2)), int(rng.choice([1, 2]))
+            if kind == "checkpoint-crash":
+                n = int(rng.integers(1, max(2, steps // 5)))
+                plans.append((f"train:{kind}", f"SIGKILL while committing checkpoint {n} of {ranks} rank(s)",
+                              f"before-replace-complete.json@{n}", ranks))
+            elif kind in ("sigterm", "sighup", "sigkill"):
+                sig = getattr(signal, kind.upper())
+                group = ranks == 2 or sig == signal.SIGKILL
+                where = "the group of" if group else "the process of"
+                plans.append((f"train:{kind}", f"{sig.name} to {where} {ranks} rank(s) at step {at}",
+                              (sig, at, group), ranks))
+            elif kind == "launcher-kill9":
+                plans.append((f"train:{kind}", f"SIGKILL to the launcher alone of 2 ranks at step {at}",
+                              (signal.SIGKILL, at, "launcher"), 2))
+            else:
+                plans.append((f"train:{kind}", f"a second trainer into the same --out at step {at}",
+                              ("second", at, None), 1))
     return plans
 
 
@@ -237,7 +307,7 @@ def train_trials(args, work, cache, student, rng):
               "--save-every", 5, "--no-progress", "--lr", "3e-3", "--threads", 1]
     want = {}
     rows = []
-    for i, (label, how, ranks) in enumerate(_train_plans(args, rng)):
+    for i, (kind, label, how, ranks) in enumerate(_train_plans(args, rng)):
         launch = ["--nproc-per-node", ranks]
         if ranks not in want:           # one uninterrupted reference per world size
             ref = os.path.join(work, f"train-ref-{ranks}")
@@ -255,23 +325,54 @@ def train_trials(args, work, cache, student, rng):
             if os.path.isdir(os.path.join(out, "checkpoints")) else []
         # -999: the second trainer was not refused; -998: the launcher's ranks kept --out locked (orphans).
         second = isinstance(how, tuple) and how[0] == "second"
-        rows.append({"trial": label, "first_exit": exit_code, "steps_logged_at_stop": stopped_at,
-                     "interrupted": exit_code != -999 if second else stopped_at < steps,
-                     "resumed_ok": res.returncode == 0 and exit_code not in (-999, -998),
-                     "losses_equal": got == want[ranks], "steps": len(got), "half_checkpoints_left": len(half)})
+        row = {"kind": kind, "trial": label, "first_exit": exit_code, "steps_logged_at_stop": stopped_at,
+               "interrupted": exit_code != -999 if second else stopped_at < steps,
+               "resumed_ok": res.returncode == 0 and exit_code not in (-999, -998),
+               "losses_equal": got == want[ranks], "steps": len(got), "half_checkpoints_left": len(half)}
+        row["ok"] = row["resumed_ok"] and row["losses_equal"]
+        rows.append(row)
+        print(f"  {kind}: {label}: {'ok' if row['ok'] else 'FAIL'}{'' if row['interrupted'] else ' (not counted)'}",
+              flush=True)
+        if not args.keep:
+            shutil.rmtree(out, ignore_errors=True)
     return rows
+
+
+def by_kind(rows):
+    """{kind: (trials, counted, failures among counted ones or not)}"""
+    out = {}
+    for r in rows:
+        n, c, f = out.get(r["kind"], (0, 0, 0))
+        out[r["kind"]] = (n + 1, c + bool(r["interrupted"]), f + (not r["ok"]))
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trials", type=int, default=8, help="precompute trials")
-    ap.add_argument("--train-trials", type=int, default=6)
+    ap.add_argument("--trials", type=int, default=2, help="trials per kind")
+    ap.add_argument("--kinds", default="all", help="comma-separated kinds (default all): "
+                    + ", ".join([f"precompute:{k}" for k in PRECOMPUTE_KINDS] + [f"train:{k}" for k in TRAIN_KINDS])
+                    + "; or precompute, train")
     ap.add_argument("--records", type=int, default=400)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None, help="seed of every drawn moment (default: a fresh one, printed)")
+    ap.add_argument("--json", default=None, help="also write every trial's row to this file")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--s3", action="store_true", help="precompute into an S3-compatible server (moto) on 127.0.0.1")
     args = ap.parse_args()
+    every = [f"precompute:{k}" for k in PRECOMPUTE_KINDS] + [f"train:{k}" for k in TRAIN_KINDS]
+    wanted = set()
+    for k in args.kinds.split(","):
+        k = k.strip()
+        wanted |= set(every) if k == "all" else {e for e in every if e.split(":")[0] == k} if ":" not in k else {k}
+    unknown = wanted - set(every)
+    if unknown:
+        sys.exit(f"unknown kinds: {sorted(unknown)}; known: {every}")
+    args.kinds = wanted
+    if args.seed is None:
+        args.seed = int.from_bytes(os.urandom(4), "little")
+    print(f"chaos: seed {args.seed} (rerun these moments with --seed {args.seed}), {args.trials} trial(s) per kind",
+          flush=True)
     rng = np.random.default_rng(args.seed)
     random.seed(args.seed)
     teacher = os.path.join(ROOT, "runs", "demo", "teacher")
@@ -287,31 +388,42 @@ def main():
             os.environ.update(server.env())
             root = server.make_bucket("chaos")
         rows, duration, window = precompute_trials(args, work, teacher, rng, root)
-        print(f"precompute into {'an S3-compatible server' if args.s3 else 'local disk'}: {args.records} records, "
-              f"{args.records // 10} shards; reference run {duration:.1f} s, {window:.1f} s from its first "
-              "shard commit to its last (kill times are drawn in that window)")
-        print(f"{'trial':<66}{'counted':>8}{'shards':>7}{'verify':>8}{'lost':>6}{'dup':>5}{'diff':>6}")
+        print(f"precompute into {'an S3-compatible server' if args.s3 else 'local disk'}: {args.records} records; "
+              f"reference run {duration:.1f} s, {window:.1f} s from its first shard commit to its last (kill times "
+              "are drawn in that window)")
+        print(f"{'trial':<72}{'counted':>8}{'shards':>7}{'verify':>8}{'lost':>6}{'dup':>5}{'diff':>6}{'orphans':>8}")
         for r in rows:
             ok = "ok" if r["verify"] and r["sound_after_kill"] else "FAIL"
-            print(f"{r['trial']:<66}{'yes' if r['interrupted'] else 'no':>8}{r['shards_at_kill']:>7}{ok:>8}"
-                  f"{r['lost']:>6}{r['duplicated']:>5}{r['different']:>6}")
-        init = os.path.join(ROOT, "runs", "demo", "student_init")
-        if not os.path.isfile(os.path.join(init, "config.json")):
-            from kdcache.demo.run import FULL, student_config
-            student_config(os.path.join(ROOT, "runs", "demo"), teacher, FULL)
-        trows = train_trials(args, work, f"{root}/pre-ref", init, rng) if args.train_trials else []
-        print(f"\ntraining: {args.steps} steps, checkpoint every 5; 1 and 2 ranks (kdcache train --nproc-per-node)")
-        print(f"{'trial':<50}{'counted':>8}{'exit':>6}{'logged':>8}{'resumed':>9}{'losses equal':>14}{'.tmp left':>10}")
-        for r in trows:
-            ok = "ok" if r["resumed_ok"] else "FAIL"
-            print(f"{r['trial']:<50}{'yes' if r['interrupted'] else 'no':>8}{r['first_exit']:>6}"
-                  f"{r['steps_logged_at_stop']:>8}{ok:>9}{str(r['losses_equal']):>14}{r['half_checkpoints_left']:>10}")
-        bad = [not (r["verify"] and r["sound_after_kill"] and r["resumed_ok"]) or r["lost"] or r["duplicated"]
-               or r["different"] for r in rows]
-        failures = sum(map(bool, bad)) + sum(not (r["resumed_ok"] and r["losses_equal"]) for r in trows)
-        counted = sum(r["interrupted"] for r in rows) + sum(r["interrupted"] for r in trows)
-        print(f"\n{len(rows) + len(trows)} trials, {counted} counted (the fault interrupted the job), {failures} "
-              f"failures, {sum(r['lost'] for r in rows)} samples lost, {sum(r['duplicated'] for r in rows)} duplicated")
+            print(f"{r['trial']:<72}{'yes' if r['interrupted'] else 'no':>8}{r['shards_at_kill']:>7}{ok:>8}"
+                  f"{r['lost']:>6}{r['duplicated']:>5}{r['different']:>6}{r['orphans']:>8}")
+        trows = []
+        if any(k.startswith("train:") for k in args.kinds):
+            init = os.path.join(ROOT, "runs", "demo", "student_init")
+            if not os.path.isfile(os.path.join(init, "config.json")):
+                from kdcache.demo.run import FULL, student_config
+                student_config(os.path.join(ROOT, "runs", "demo"), teacher, FULL)
+            trows = train_trials(args, work, f"{root}/pre-ref", init, rng)
+            print(f"\ntraining: {args.steps} steps, checkpoint every 5; 1 and 2 ranks (kdcache train --nproc-per-node)")
+            print(f"{'trial':<58}{'counted':>8}{'exit':>6}{'logged':>8}{'resumed':>9}{'losses equal':>14}"
+                  f"{'.tmp left':>10}")
+            for r in trows:
+                ok = "ok" if r["resumed_ok"] else "FAIL"
+                print(f"{r['trial']:<58}{'yes' if r['interrupted'] else 'no':>8}{r['first_exit']:>6}"
+                      f"{r['steps_logged_at_stop']:>8}{ok:>9}{str(r['losses_equal']):>14}"
+                      f"{r['half_checkpoints_left']:>10}")
+        every_row = rows + trows
+        print(f"\n{'kind':<28}{'trials':>8}{'counted':>9}{'failures':>10}")
+        for kind, (n, c, f) in by_kind(every_row).items():
+            print(f"{kind:<28}{n:>8}{c:>9}{f:>10}")
+        failures = sum(not r["ok"] for r in every_row)
+        counted = sum(bool(r["interrupted"]) for r in every_row)
+        print(f"\n{len(every_row)} trials, {counted} counted (the fault interrupted the job), {failures} failures, "
+              f"{sum(r['lost'] for r in rows)} samples lost, {sum(r['duplicated'] for r in rows)} duplicated "
+              f"(seed {args.seed})")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"seed": args.seed, "trials_per_kind": args.trials, "records": args.records,
+                           "steps": args.steps, "rows": every_row}, f, indent=1)
         return 1 if failures else 0
     finally:
         if server is not None:
