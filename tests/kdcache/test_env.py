@@ -59,3 +59,30 @@ def test_a_reader_that_takes_a_lease_names_a_bad_ttl(tmp_path, monkeypatch):
     monkeypatch.setenv("KDCACHE_LEASE_TTL", "soon")
     with pytest.raises(ConfigError, match="KDCACHE_LEASE_TTL: 'soon' is not a duration"):
         open_cache(tmp_path / "c", track_use=True)
+
+
+def test_the_lease_ttl_and_the_spool_dir_take_effect(tmp_path, monkeypatch):
+    """KDCACHE_LEASE_TTL: a lease written while it is set expires that long after it was written (others may take
+    over then); KDCACHE_SPOOL_DIR: precompute's spool of encoded samples lives under it."""
+    import json
+    import time
+
+    from kdcache.cache_format.lease import Lease
+    from kdcache.cache_format.location import Location
+    from kdcache.pipeline.spool import Spool
+    monkeypatch.setenv("KDCACHE_LEASE_TTL", "45s")
+    lease = Lease(Location(str(tmp_path / "c")), "writer.lease", exclusive=True)
+    t0 = time.time()
+    lease.acquire()
+    try:
+        body = json.loads((tmp_path / "c" / "writer.lease").read_text())
+        assert lease.ttl == 45.0 and 44 <= body["expires"] - t0 <= 46
+    finally:
+        lease.release()
+    monkeypatch.setenv("KDCACHE_SPOOL_DIR", str(tmp_path / "spools"))
+    spool = Spool()
+    try:
+        assert spool.dir.startswith(str(tmp_path / "spools")) and (tmp_path / "spools").is_dir()
+    finally:
+        spool.close_writing()
+        spool.delete()

@@ -359,3 +359,21 @@ def test_a_signal_to_the_whole_process_group_stops_cleanly_and_the_rerun_resumes
     res = precompute(*common, "--out", out)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming" in res.stdout and [r.sample_id for r in open_cache(out)] == list(range(360))
+
+
+def test_overlong_drop_and_max_messages_through_the_command_are_counted_and_listed(tiny, tmp_path):
+    """--overlong drop and --max-messages: the samples they leave out are counted in summary.json and listed in
+    report/skipped.jsonl with their line; the rest are written."""
+    long = {"messages": [{"role": "user", "content": "docker " * 600}, {"role": "assistant", "content": "sql"}]}
+    chatty = {"messages": [{"role": r, "content": f"m{i}"} for i in range(3) for r in ("user", "assistant")]}
+    rows = [tiny["train"][0], long, chatty, tiny["train"][1]]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    res = precompute("--teacher", tiny["teacher"], "--data", data, "--out", tmp_path / "c", "--backend", "hf",
+                     "--top-k", 4, "--max-length", 256, "--overlong", "drop", "--max-messages", 4)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads((tmp_path / "c" / "report" / "summary.json").read_text())
+    assert summary["skipped"] == {"too_long": 1, "too_many_messages": 1} and summary["samples_written"] == 2
+    listed = [json.loads(x) for x in (tmp_path / "c" / "report" / "skipped.jsonl").read_text().splitlines()]
+    assert sorted((x["reason"], x["sample_id"], x["where"]) for x in listed) == [
+        ("too_long", 1, f"{data}:2"), ("too_many_messages", 2, f"{data}:3")], listed
+    assert [r.sample_id for r in open_cache(tmp_path / "c")] == [0, 3]

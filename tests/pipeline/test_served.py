@@ -142,8 +142,9 @@ class FakeServer:
     """A tiny OpenAI-compatible server on 127.0.0.1: answers `plan` statuses in order for POST /v1/completions,
     then 200 with a scoring answer; /v1/models and /version as vLLM does."""
 
-    def __init__(self, plan=(), answer=None):
-        """answer(body, choice) -> choice: what a misbehaving server changes in the answer it would give."""
+    def __init__(self, plan=(), answer=None, model="fake"):
+        """answer(body, choice) -> choice: what a misbehaving server changes in the answer it would give; model: the
+        name it serves (`vllm serve --served-model-name`)."""
         self.plan, self.posts, self.answer = list(plan), [], answer
         outer = self
 
@@ -161,7 +162,7 @@ class FakeServer:
 
             def do_GET(self):
                 if self.path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [{"id": "fake", "max_model_len": 64, "parent": None}]})
+                    self._send(200, {"object": "list", "data": [{"id": model, "max_model_len": 64, "parent": None}]})
                 elif self.path == "/version":
                     self._send(200, {"version": "0.32.0"})
                 else:
@@ -197,12 +198,28 @@ class FakeServer:
 def fake():
     servers = []
 
-    def make(plan=(), answer=None):
-        servers.append(FakeServer(plan, answer))
+    def make(plan=(), answer=None, model="fake"):
+        servers.append(FakeServer(plan, answer, model))
         return servers[-1]
     yield make
     for s in servers:
         s.close()
+
+
+def test_the_served_model_name_is_in_the_fingerprint_and_a_dtype_is_refused(fake, tiny, tmp_path):
+    """Serving the weights under another --served-model-name is another teacher to the fingerprint (README: rename
+    or --teacher-revision when the weights change); --dtype is the server's to choose, refused before any work."""
+    from kdcache.cache_format import hash_json
+    from kdcache.pipeline.settle import teacher_part
+    from kdcache.pipeline.teacher_served import server_info
+    a, b = fake(), fake(model="tiny-teacher-v2")
+    pa, pb = (teacher_part(_cfg(), server_info(s.url, say=lambda *_: None)) for s in (a, b))
+    assert (pa["served_model"], pb["served_model"]) == ("fake", "tiny-teacher-v2") and hash_json(pa) != hash_json(pb)
+    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:2])
+    res = precompute("--teacher", a.url, "--tokenizer", tiny["teacher"], "--data", data, "--out", tmp_path / "o",
+                     "--dtype", "bfloat16")
+    assert res.returncode == 2 and "dtype: 'bfloat16' cannot be set for a served teacher" in res.stderr
+    assert not (tmp_path / "o").exists() and not a.posts                     # nothing written, nothing asked
 
 
 def test_5xx_is_retried_with_backoff_then_answered(fake):
