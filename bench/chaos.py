@@ -170,10 +170,8 @@ TRAIN_KINDS = ("checkpoint-crash", "sigterm", "sighup", "sigkill", "launcher-kil
 def _precompute_plans(args, rng, window, s3):
     """(kind, label, how, shard size): args.trials of each kind in args.kinds, moments drawn from rng."""
     plans = []
-    for kind in PRECOMPUTE_KINDS:
-        if f"precompute:{kind}" not in args.kinds:
-            continue
-        for _ in range(args.trials):
+    for _ in range(args.trials):                      # round robin: a run cut short still covers every kind
+        for kind in [k for k in PRECOMPUTE_KINDS if f"precompute:{k}" in args.kinds]:
             size = int(rng.choice(SHARD_SIZES))
             shards = -(-args.records // size)
             if kind == "worker-crash":
@@ -230,10 +228,8 @@ def precompute_trials(args, work, teacher, rng, root):
 def _train_plans(args, rng):
     """(kind, label, crash point or (signal, step, to whom), ranks): args.trials of each kind in args.kinds."""
     steps, plans = args.steps, []
-    for kind in TRAIN_KINDS:
-        if f"train:{kind}" not in args.kinds:
-            continue
-        for _ in range(args.trials):
+    for _ in range(args.trials):                      # round robin, as the precompute plans
+        for kind in [k for k in TRAIN_KINDS if f"train:{k}" in args.kinds]:
             at, ranks = int(rng.integers(3, steps - 2)), int(rng.choice([1, 2]))
             if kind == "checkpoint-crash":
                 n = int(rng.integers(1, max(2, steps // 5)))
