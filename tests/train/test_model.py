@@ -11,13 +11,28 @@ from kdcache.train.model import DistillModule
 from tests.helpers.records import make_records
 
 
-@pytest.fixture(scope="module")
-def student():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+ARCHS = {   # transformers finds packed rows by attention implementation: Gemma 2 runs eager (its soft-capping)
+    "qwen2": ("Qwen2", {}),
+    "llama": ("Llama", {}),
+    "mistral": ("Mistral", {"sliding_window": None}),
+    "gemma2": ("Gemma2", {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+                          "query_pre_attn_scalar": 32, "sliding_window": 256, "_attn": "eager"}),
+}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def student(request):
+    import transformers
+    name, extra = ARCHS[request.param]
+    extra = dict(extra)
+    attn = extra.pop("_attn", None)
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
-    return Qwen2ForCausalLM(cfg).eval()
+    cfg = getattr(transformers, name + "Config")(vocab_size=300, hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                                 head_dim=32, max_position_embeddings=256, **extra)
+    if attn:
+        cfg._attn_implementation = attn
+    return getattr(transformers, name + "ForCausalLM")(cfg).eval()
 
 
 def test_pack_rows_first_fit():
@@ -57,7 +72,7 @@ def test_packing_gives_the_same_loss_and_gradients_as_padding(student, cfg):
         student.zero_grad()
         loss, parts = module(batch)
         loss.backward()
-        grads.append((float(loss.detach()), student.model.embed_tokens.weight.grad.clone()))
+        grads.append((float(loss.detach()), student.get_input_embeddings().weight.grad.clone()))
     (l1, g1), (l2, g2) = grads
     assert abs(l1 - l2) < 1e-4 * max(1.0, abs(l1))
     torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
