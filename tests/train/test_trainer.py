@@ -4,6 +4,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -265,3 +266,29 @@ def test_a_format_1_cache_still_trains(backend, tmp_path):
     # The fixture's student is built from the teacher's own config and seed: it is the teacher, so its KD loss is
     # 0 up to float rounding (either sign); what is checked is that the old format feeds real positions.
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["positions"] > 0 and abs(r["kd"]) < 1e-4 for r in rows)
+
+
+def test_multi_turn_and_truncated_samples_train_packed(setup, tmp_path):
+    """Not only one-turn chats: multi-turn chats (every assistant turn trained) and samples cut at --max-length
+    (flagged truncated, no end-of-turn at their end) train, packed, every cached position once in an epoch."""
+    from kdcache.cache_format import open_cache
+    from tests.helpers.chats import MULTI
+    long = {"messages": [{"role": "user", "content": "list the skills"},
+                         {"role": "assistant", "content": "docker, sql, python, linux " * 6}]}
+    short = {"prompt": "hello there", "completion": "sql"}
+    rows = [MULTI, long, short, MULTI, long, short]             # 78, 123 and 12 tokens
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    res = precompute("--teacher", setup["dir"] / "teacher", "--data", data, "--out", tmp_path / "cache",
+                     "--backend", "hf", "--top-k", 8, "--max-length", 100)
+    assert res.returncode == 0, res.stderr
+    cache = open_cache(tmp_path / "cache")
+    recs = list(cache)
+    assert [r.truncated for r in recs] == [False, True, False, False, True, False]
+    assert np.sum(np.isin(recs[0].targets, list(cache.eos_token_ids))) == 2          # two assistant turns
+    out = tmp_path / "o"
+    res = run(train_cmd(dict(setup, cache=tmp_path / "cache"), out, "--epochs", 1, "--batch-size", 3, "--pack",
+                        "--max-tokens", 128, "--save-every", 0))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows_logged = losses(out)
+    assert sum(r["positions"] for r in rows_logged) == sum(len(r.positions) for r in recs)
+    assert all(np.isfinite(r["loss"]) for r in rows_logged)
