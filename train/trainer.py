@@ -26,7 +26,7 @@ from kdcache.common.signals import StopFlag
 from . import checkpoint
 from .batch import collate
 from .data import CacheStream
-from .metrics import Metrics, plot_loss_curve
+from .metrics import METRICS, Metrics, plot_loss_curve, read_metrics
 from .model import DistillModule, check_tokenizer, load_student, load_tokenizer
 
 
@@ -188,15 +188,17 @@ def optimizer_step(run, window, position):
     run.step += 1
     run.stream.position = position
     now = time.perf_counter()
-    tok_s, rows, computed = all_reduce([sum(b.n_tokens for b in window) / max(now - run.t_last, 1e-9),
-                                        float(sum(b.input_ids.shape[0] for b in window)),
-                                        float(sum(b.input_ids.numel() for b in window))])
+    tok_s, rows, computed, outside = all_reduce([sum(b.n_tokens for b in window) / max(now - run.t_last, 1e-9),
+                                                 float(sum(b.input_ids.shape[0] for b in window)),
+                                                 float(sum(b.input_ids.numel() for b in window)),
+                                                 float(sum(b.n_outside_vocab for b in window))])
     run.t_last = now
     if run.stage > 0:
         grad_norm = _grad_norm(engine)
     return {"step": run.step, "loss": loss, "kd": kd, "sft": sft, "positions": int(n_total),
             "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm, "tokens_per_s": round(tok_s, 1),
-            "epoch": run.stream.position.epoch, "outside_vocab": sum(b.n_outside_vocab for b in window),
+            # teacher entries naming ids the student has no row for (a padded teacher): moved to the tail bucket
+            "epoch": run.stream.position.epoch, "outside_vocab": int(outside),
             # what the forward passes held, every rank's: rows and tokens with padding (--pack lowers both)
             "rows": int(rows), "batch_tokens": int(computed)}
 
@@ -213,6 +215,8 @@ def finish(run, reason, resume_cmd):
             print(f"\n{reason} at step {run.step}; checkpoint saved. Resume with:\n  {resume_cmd}", flush=True)
         return {"step": run.step, "reason": reason}
     untrained = _untrained(run)
+    outside = sum(int(r.get("outside_vocab") or 0) for r in read_metrics(os.path.join(cfg.out, METRICS))) \
+        if rank == 0 else 0
     final = os.path.join(cfg.out, "final")
     stops_like_the_teacher(run.engine.module.model, run.tok, stream.cache.manifest)
     save_final(run.engine.module.model, run.tok, final, rank, run.stage)
@@ -221,7 +225,10 @@ def finish(run, reason, resume_cmd):
         atomic_write_bytes(os.path.join(cfg.out, "train_summary.json"),
                            json.dumps({"step": run.step, "reason": reason, "final_model": final,
                                        "damaged_shards_skipped": stream.damaged,
-                                       "samples_untrained": untrained}).encode())
+                                       "samples_untrained": untrained, "outside_vocab": outside}).encode())
+        if outside:
+            print(f"{outside} teacher top-k entries named ids the student has no embedding row for (a teacher "
+                  "vocabulary padded past the student's); their mass was trained as the tail bucket", flush=True)
         if untrained:
             print(f"{untrained} sample(s) of the {cfg.epochs} epoch(s) were not trained: every rank runs the "
                   "same number of steps, the fewest any rank's share fills", flush=True)

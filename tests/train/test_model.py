@@ -10,7 +10,6 @@ from kdcache.train.losses import LossConfig
 from kdcache.train.model import DistillModule
 from tests.helpers.records import make_records
 
-
 ARCHS = {   # transformers finds packed rows by attention implementation: Gemma 2 runs eager (its soft-capping)
     "qwen2": ("Qwen2", {}),
     "llama": ("Llama", {}),

@@ -292,3 +292,32 @@ def test_multi_turn_and_truncated_samples_train_packed(setup, tmp_path):
     rows_logged = losses(out)
     assert sum(r["positions"] for r in rows_logged) == sum(len(r.positions) for r in recs)
     assert all(np.isfinite(r["loss"]) for r in rows_logged)
+
+
+def test_a_padded_teachers_ids_the_student_lacks_are_counted(setup, tiny, tmp_path):
+    """A teacher whose vocabulary is padded past the student's (Qwen2.5-7B's 152,064 rows against a 151,936
+    student): its top-k names ids the student has no row for. They train as the tail bucket and are counted, per
+    step in metrics.jsonl and in total in train_summary.json, not moved silently."""
+    from kdcache.cache_format import open_cache
+    from kdcache.demo.models import make_model, save
+    tok = tiny["tok"]
+    teacher = make_model(tok, "test", seed=11)
+    n = teacher.get_input_embeddings().weight.shape[0]
+    teacher.resize_token_embeddings(n + 64)
+    with torch.no_grad():                               # the padded rows copy the first 64: as likely as they are
+        emb = teacher.get_input_embeddings().weight
+        emb[n:] = emb[:64]
+    save(teacher, tok, str(tmp_path / "teacher"))
+    data = write_jsonl(tmp_path / "d.jsonl", setup["records"][:8])
+    res = precompute("--teacher", tmp_path / "teacher", "--data", data, "--out", tmp_path / "cache", "--backend",
+                     "hf", "--top-k", 32)
+    assert res.returncode == 0, res.stderr
+    outside = sum(int((r.topk_ids >= n).sum()) for r in open_cache(tmp_path / "cache"))
+    assert outside > 0
+    out = tmp_path / "o"
+    res = run(train_cmd(dict(setup, cache=tmp_path / "cache"), out, "--epochs", 1, "--batch-size", 4,
+                        "--save-every", 0))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    per_step = [r["outside_vocab"] for r in losses(out)]
+    summary = json.load(open(out / "train_summary.json"))
+    assert sum(per_step) == summary["outside_vocab"] == outside and "no embedding row" in res.stdout
