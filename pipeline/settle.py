@@ -21,6 +21,7 @@ from kdcache.common.errors import ConfigError, DataError
 from .dispatch import own_ray, worker_gpus
 from .encode import MAX_MESSAGES, Encoder, document_end_id, end_of_turn_ids
 from .teacher import choose_backend, is_url
+from .versions import SERVED_MIN, VLLM_MIN, installed_vllm, require
 from .worker import WorkerSpec
 
 MAX_LENGTH_CAP = 2048    # the default max_length where the teacher's context is longer
@@ -186,6 +187,7 @@ def _teacher(cfg, backend):
         raise ConfigError(f"dtype: {cfg.dtype!r} cannot be set for a served teacher: it computes in the server's "
                           "dtype (vllm serve --dtype); drop --dtype")
     server = server_info(cfg.teacher)
+    require(server["vllm_version"], SERVED_MIN, f"teacher server {cfg.teacher}")
     print(f"teacher server {cfg.teacher}: model {server['model']!r}, max_model_len {server['max_model_len']}, "
           f"vLLM {server['vllm_version']}" + (f", revision {cfg.teacher_revision!r}" if cfg.teacher_revision
                                               else " (no --teacher-revision)"))
@@ -214,6 +216,8 @@ def settle(cfg, t_start) -> Job:
     check_paths(cfg)
     backend, reason = choose_backend(cfg.backend, cfg.teacher)
     print(f"teacher backend: {backend} ({'auto: ' if cfg.backend == 'auto' else ''}{reason})")
+    if backend == "vllm":
+        require(installed_vllm(), VLLM_MIN, "backend vllm")
     cfg, model_config, server = _teacher(cfg, backend)
     if cfg.worker_cpus is None:       # a served teacher's workers only wait on HTTP
         cfg = replace(cfg, worker_cpus=0.25 if server else 1.0)

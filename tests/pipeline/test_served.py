@@ -142,7 +142,7 @@ class FakeServer:
     """A tiny OpenAI-compatible server on 127.0.0.1: answers `plan` statuses in order for POST /v1/completions,
     then 200 with a scoring answer; /v1/models and /version as vLLM does."""
 
-    def __init__(self, plan=(), answer=None, model="fake"):
+    def __init__(self, plan=(), answer=None, model="fake", version="0.32.0"):
         """answer(body, choice) -> choice: what a misbehaving server changes in the answer it would give; model: the
         name it serves (`vllm serve --served-model-name`)."""
         self.plan, self.posts, self.answer = list(plan), [], answer
@@ -164,7 +164,7 @@ class FakeServer:
                 if self.path == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": model, "max_model_len": 64, "parent": None}]})
                 elif self.path == "/version":
-                    self._send(200, {"version": "0.32.0"})
+                    self._send(200, {"version": version})
                 else:
                     self._send(404, {"error": {"message": "no such route", "code": 404}})
 
@@ -198,8 +198,8 @@ class FakeServer:
 def fake():
     servers = []
 
-    def make(plan=(), answer=None, model="fake"):
-        servers.append(FakeServer(plan, answer, model))
+    def make(plan=(), answer=None, model="fake", version="0.32.0"):
+        servers.append(FakeServer(plan, answer, model, version))
         return servers[-1]
     yield make
     for s in servers:
@@ -220,6 +220,14 @@ def test_the_served_model_name_is_in_the_fingerprint_and_a_dtype_is_refused(fake
                      "--dtype", "bfloat16")
     assert res.returncode == 2 and "dtype: 'bfloat16' cannot be set for a served teacher" in res.stderr
     assert not (tmp_path / "o").exists() and not a.posts                     # nothing written, nothing asked
+
+
+def test_a_server_older_than_the_served_floor_is_refused_naming_both_versions(fake, tiny, tmp_path):
+    old = fake(version="0.9.2")
+    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:2])
+    res = precompute("--teacher", old.url, "--tokenizer", tiny["teacher"], "--data", data, "--out", tmp_path / "o")
+    assert res.returncode == 2 and "vLLM 0.9.2 is installed, kdcache needs 0.10.2 or later" in res.stderr
+    assert old.url in res.stderr and not old.posts and not (tmp_path / "o").exists()
 
 
 def test_5xx_is_retried_with_backoff_then_answered(fake):
