@@ -46,7 +46,10 @@ class PrecomputeConfig:
     on_bad_record: str = field("fail", "malformed records: fail the job, or skip them (counted and listed)",
                                choices=("fail", "skip"))
     shard_size: int = field(256, "samples per shard (the unit of work and of resume)")
-    workers: int = field(1, "teacher workers (one per GPU; on CPU, a count)")
+    workers: int | None = field(None, "teacher workers (default: the visible GPUs / --tensor-parallel-size for a "
+                                      "local teacher, else 1; on CPU, a count)")
+    tensor_parallel_size: int = field(1, "vLLM backend: GPUs per teacher worker, the teacher split over them "
+                                         "(tensor parallel; one Ray placement group per worker, on one node)")
     worker_cpus: float | None = field(None, "Ray CPUs reserved per worker (fractions allowed; default 1, or 0.25 for "
                                             "a served teacher, whose workers only wait on HTTP)")
     worker_gpus: float = field(-1.0, "Ray GPUs per worker; -1 = 1 if the cluster has GPUs, else 0")
@@ -82,7 +85,8 @@ class PrecomputeConfig:
             ("max_length", self.max_length is None or self.max_length >= 2, "must be >= 2"),
             ("max_messages", self.max_messages >= 1, "must be >= 1"),
             ("shard_size", self.shard_size >= 1, "must be >= 1"),
-            ("workers", self.workers >= 1, "must be >= 1"),
+            ("workers", self.workers is None or self.workers >= 1, "must be >= 1"),
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be >= 1"),
             ("worker_cpus", self.worker_cpus is None or self.worker_cpus > 0, "must be > 0"),
             ("max_in_flight", self.max_in_flight >= 1, "must be >= 1"),
             ("requests_in_flight", self.requests_in_flight >= 1, "must be >= 1"),

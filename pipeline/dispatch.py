@@ -26,6 +26,7 @@ from kdcache.common.errors import Interrupted, WorkerDied
 from kdcache.common.signals import SIGNALS, StopFlag
 
 from . import reaper
+from .placement import resolve_workers, worker_options
 from .worker import TeacherWorker, Unit
 
 
@@ -144,15 +145,15 @@ def unit_samples(reader, j, shard_size):
 
 
 def start_workers(cfg, ray, spec, gpus, n, remote_out):
-    """n teacher actors, created now; each loads the teacher in its constructor (wait on its ready())."""
-    opts = dict(num_cpus=cfg.worker_cpus, num_gpus=gpus)
+    """(n teacher actors, created now, each loading the teacher in its constructor (wait on its ready()); the
+    placement groups made for them, one each with --tensor-parallel-size (pipeline/placement.py), else none)."""
+    each, groups = worker_options(ray, cfg, gpus, n)
     if cfg.ray_address and remote_out and cfg.ray_pass_credentials:
         # Only when asked: a runtime_env is visible to everyone who can use the cluster. By default the
         # workers on other machines use the credentials those machines have (instance roles, profiles).
         creds = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_", "FSSPEC_"))}
-        opts["runtime_env"] = {"env_vars": creds}
-    actor = ray.remote(TeacherWorker).options(**opts)
-    return [actor.remote(spec) for _ in range(n)]
+        each = [dict(o, runtime_env={"env_vars": creds}) for o in each]
+    return [ray.remote(TeacherWorker).options(**o).remote(spec) for o in each], groups
 
 
 def prestart_workers(cfg):
@@ -160,10 +161,13 @@ def prestart_workers(cfg):
     with the options settle will give them (--worker-cpus, else 1; --worker-gpus, else 1 where CUDA is visible).
     Each imports what a local teacher needs meanwhile (TeacherWorker without a spec) and loads the teacher once the
     Dispatcher sends the settled spec (load). For a local teacher and a Ray of the job's own."""
+    if cfg.tensor_parallel_size > 1:
+        return None                   # its GPUs go to placement groups, made once the job is settled
+
     def prestart(ray):
         opts = dict(num_cpus=cfg.worker_cpus if cfg.worker_cpus is not None else 1.0, num_gpus=worker_gpus(cfg))
         actor = ray.remote(TeacherWorker).options(**opts)
-        return [actor.remote() for _ in range(cfg.workers)], opts
+        return [actor.remote() for _ in range(resolve_workers(cfg))], opts
     return prestart
 
 
@@ -185,7 +189,7 @@ class Dispatcher:
         self.n_records, self.spool, self.reader = n_records, spool, spool.reader()
         self.t_start = t_start
         self.scanned, self.scan_done, self.hold_back = 0, False, False
-        self.ray, self.workers = None, None
+        self.ray, self.workers, self.groups = None, None, []
         self.starting, self.pending, self.free, self.held = {}, {}, [], []
         self.stats, self.bar = RunStats(), None
         self._t0, self._last_poll = None, 0.0
@@ -244,6 +248,9 @@ class Dispatcher:
             for w in self.workers or []:
                 self.ray.kill(w)
             self.workers = []
+            for g in self.groups:         # on a cluster of someone else's, the GPUs they held are given back
+                self.ray.util.remove_placement_group(g)
+            self.groups = []
             self.starter.close()      # while our handlers stand: Ray's own SIGTERM handler would exit mid-shutdown
         finally:
             self.flag.restore()
@@ -261,8 +268,9 @@ class Dispatcher:
         warm, extra = warm[:self.n_workers], warm[self.n_workers:]
         for w in extra:
             self.ray.kill(w)
-        self.workers = warm + start_workers(self.cfg, self.ray, self.spec, self.gpus, self.n_workers - len(warm),
-                                            self.writer.location.remote)
+        fresh, self.groups = start_workers(self.cfg, self.ray, self.spec, self.gpus, self.n_workers - len(warm),
+                                           self.writer.location.remote)
+        self.workers = warm + fresh
         self.starting = {(w.load.remote(self.spec) if i < len(warm) else w.ready.remote()): i
                          for i, w in enumerate(self.workers)}
 

@@ -20,6 +20,7 @@ from kdcache.common.errors import ConfigError, DataError
 
 from .dispatch import own_ray, worker_gpus
 from .encode import MAX_MESSAGES, Encoder, document_end_id, end_of_turn_ids
+from .placement import check_tensor_parallel, resolve_workers, visible_gpus
 from .teacher import choose_backend, is_url
 from .versions import SERVED_MIN, VLLM_MIN, installed_vllm, require
 from .worker import WorkerSpec
@@ -55,6 +56,8 @@ class Job:
             teacher_kwargs=dict(dtype=self.dtype, max_length=cfg.max_length, max_top_k=cfg.top_k, seed=cfg.seed,
                                 trust_remote_code=cfg.trust_remote_code, batch_tokens=cfg.batch_tokens,
                                 threads=threads,
+                                **({} if cfg.tensor_parallel_size == 1 else
+                                   dict(tensor_parallel_size=cfg.tensor_parallel_size)),
                                 **({} if self.server is None else
                                    dict(requests_in_flight=cfg.requests_in_flight, expect=self.server))),
             storage=self.storage, vocab_size=self.vocab_size, generate=gen)
@@ -224,6 +227,13 @@ def settle(cfg, t_start) -> Job:
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.teacher, trust_remote_code=cfg.trust_remote_code)
     encoder, ends = _encoder(cfg, tok, server)
     gpus = max(cfg.worker_gpus, 0.0) if server else worker_gpus(cfg)     # a server's GPUs are its own
+    if server is None and (cfg.workers is None or cfg.tensor_parallel_size > 1):
+        n_gpus = visible_gpus(cfg)
+        cfg = replace(cfg, workers=resolve_workers(cfg, n_gpus))
+        check_tensor_parallel(cfg, backend, model_config, n_gpus, cfg.workers)
+    elif cfg.tensor_parallel_size > 1:
+        check_tensor_parallel(cfg, backend, model_config, 0, cfg.workers or 1)   # refused: not the vLLM backend
+    cfg = replace(cfg, workers=cfg.workers or 1)
     dtype = "server" if server else cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if gpus > 0 else "float32")
     if model_config is not None:
         vocab_size = text_config(model_config).vocab_size

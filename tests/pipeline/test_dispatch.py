@@ -60,7 +60,8 @@ class RecordingRay:
 def test_credentials_reach_a_clusters_runtime_env_only_when_asked(monkeypatch, passed):
     from kdcache.pipeline.dispatch import start_workers
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
-    cfg = SimpleNamespace(worker_cpus=0.5, ray_address="10.0.0.1:6379", ray_pass_credentials=passed)
+    cfg = SimpleNamespace(worker_cpus=0.5, ray_address="10.0.0.1:6379", ray_pass_credentials=passed,
+                          tensor_parallel_size=1)
     ray = RecordingRay()
     start_workers(cfg, ray, spec=None, gpus=0, n=1, remote_out=True)
     env = ray.opts.get("runtime_env", {}).get("env_vars", {})
@@ -81,6 +82,7 @@ class FakeActorRay:
         import ray
         self.exceptions = ray.exceptions
         self.units, self.killed, self.loaded, self.created = [], 0, 0, 0
+        self.get_runtime_context = lambda: SimpleNamespace(gcs_address="127.0.0.1:1")
         fake = self
 
         class Method:
@@ -167,7 +169,7 @@ def test_shards_go_out_as_their_records_are_read_and_are_committed_after_the_sca
     ray = FakeActorRay()
     writer, spool = FakeWriter(), Spool(str(tmp_path))
     cfg = SimpleNamespace(workers=2, shard_size=2, max_in_flight=1, worker_cpus=0.5, ray_address=None,
-                          ray_pass_credentials=False)
+                          ray_pass_credentials=False, tensor_parallel_size=1)
     d = Dispatcher(cfg, writer, FakeStarter(ray), spec=None, gpus=0, todo={0, 1, 2, 3}, n_records=7, spool=spool,
                    t_start=0.0)
     d.POLL_S = 0.0
@@ -205,7 +207,7 @@ def test_a_scan_that_will_fail_holds_back_every_further_shard(tmp_path):
     ray = FakeActorRay()
     spool = Spool(str(tmp_path))
     cfg = SimpleNamespace(workers=1, shard_size=2, max_in_flight=2, worker_cpus=0.5, ray_address=None,
-                          ray_pass_credentials=False)
+                          ray_pass_credentials=False, tensor_parallel_size=1)
     d = Dispatcher(cfg, FakeWriter(), FakeStarter(ray), spec=None, gpus=0, todo={0, 1, 2}, n_records=6, spool=spool,
                    t_start=0.0)
     d.POLL_S = 0.0
@@ -225,7 +227,7 @@ def test_actors_started_before_the_job_was_settled_load_the_settled_teacher(tmp_
     from kdcache.pipeline.dispatch import Dispatcher, prestart_workers
     from kdcache.pipeline.spool import Spool
     cfg = SimpleNamespace(workers=3, shard_size=2, max_in_flight=1, worker_cpus=0.5, worker_gpus=0.0,
-                          ray_address=None, ray_pass_credentials=False)
+                          ray_address=None, ray_pass_credentials=False, tensor_parallel_size=1)
     for gpus, reused in ((0.0, True), (1.0, False)):
         ray = FakeActorRay()
         warm = prestart_workers(cfg)(ray)
