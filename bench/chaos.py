@@ -51,9 +51,15 @@ def run(cmd, env=None, timeout=900):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _terminal_default():
+    """In the child: SIGHUP as a terminal's job has it, even when chaos itself runs under nohup (which would make
+    every SIGHUP trial a no-op that cannot count)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def start(cmd, env=None):
     return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, preexec_fn=_terminal_default)
 
 
 LP_TOL = 1e-2   # float16 storage, and the teacher's batches differ when a trial uses another --shard-size
@@ -275,7 +281,7 @@ def _interrupt_training(cmd, out, how):
         return run(cmd, env=dict(os.environ, KDCACHE_CRASH_AT=how)).returncode
     sig, at, group = how
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, preexec_fn=_terminal_default)
     metrics = os.path.join(out, "metrics.jsonl")
     while proc.poll() is None:
         if os.path.exists(metrics) and len(open(metrics).readlines()) >= at:
