@@ -46,7 +46,7 @@ def losses(out):
     return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
 
 
-def reference_run(setup, steps=24):
+def reference_run(setup, steps=12):
     """`steps` uninterrupted steps of batch 2 (the schedule's length is part of it): what an interrupted run of as
     many steps must reproduce."""
     ref_out = setup["dir"] / f"ref-run-{steps}"

@@ -32,7 +32,7 @@ def setup(tiny, tmp_path_factory):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_signal_mid_run_then_resume_gives_identical_losses(setup, tmp_path, sig):
-    steps = 24
+    steps = 12                                   # the reference the kill -9 test uses too
     ref_out = reference_run(setup, steps)
     out = tmp_path / "o"
     env = user_env()
