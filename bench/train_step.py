@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kdcache.train.losses import LossConfig, chunked_kd_loss, kd_loss_from_logits  # noqa: E402
+from kdcache.train.losses import LossConfig, chunked_kd_loss, default_chunk, kd_loss_from_logits  # noqa: E402
 
 
 def model(vocab, hidden, layers, seed):
@@ -147,20 +147,23 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--k", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=0, help="loss chunk (default: kdcache train's, by vocabulary)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--mem-positions", type=int, default=4096)
     ap.add_argument("--mem-vocab", type=int, default=151936)
-    ap.add_argument("--mem-chunk", type=int, default=128)
+    ap.add_argument("--mem-chunk", type=int, default=1024, help="a chunk to compare the default with")
     ap.add_argument("--_memory", choices=("chunked", "dense"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._memory:
+        args.chunk = args.chunk or default_chunk(args.mem_vocab)
         print(json.dumps({"mb": loss_memory(args, args._memory)}))
         return
+    args.chunk = args.chunk or default_chunk(args.vocab)
     t, ns, nt = step_times(args)
     N = args.batch * (args.seq - 1)
     print(f"student {ns / 1e6:.1f}M params, teacher {nt / 1e6:.1f}M ({nt / ns:.1f}x), vocab {args.vocab}, "
           f"batch {args.batch}x{args.seq} ({N} trained positions), k={args.k}, {torch.get_num_threads()} threads")
+    print(f"loss chunk {args.chunk} positions")
     print(f"{'step':<34}{'s/step':>9}{'vs SFT':>9}")
     for name, label in (("sft", "plain SFT (cross-entropy)"), ("kd_cache", "KD from the cache (chunked GKD)"),
                         ("kd_online", "online KD, teacher run each step")):
@@ -170,15 +173,17 @@ def main():
     print(f"\nloss peak memory (forward + backward), vocab {args.mem_vocab}; one fp32 [N, V] at "
           f"N={args.mem_positions} is {full:.0f} MB")
     dense = None
-    for mode, chunk in (("dense", 0), ("chunked", args.mem_chunk), ("chunked", args.chunk)):
+    default = default_chunk(args.mem_vocab)
+    for mode, chunk in (("dense", 0), ("chunked", args.mem_chunk), ("chunked", default)):
         out = subprocess.run([sys.executable, __file__, "--_memory", mode, "--mem-positions", str(args.mem_positions),
                               "--mem-vocab", str(args.mem_vocab), "--k", str(args.k), "--chunk", str(chunk or 1)],
                              capture_output=True, text=True, check=True)
         mb = json.loads(out.stdout.strip().splitlines()[-1])["mb"]
         dense = dense or mb
-        label = "dense [N, V] logits" if mode == "dense" else f"chunked, {chunk} positions per chunk"
-        print(f"  {label:<36}{mb:>8.0f} MB  ({dense / mb:.1f}x less than dense)" if mode != "dense"
-              else f"  {label:<36}{mb:>8.0f} MB")
+        label = "dense [N, V] logits" if mode == "dense" else f"chunked, {chunk} positions per chunk" + \
+            (" (the default)" if chunk == default else "")
+        print(f"  {label:<46}{mb:>8.0f} MB  ({mb / dense:.3f}x dense)" if mode != "dense"
+              else f"  {label:<46}{mb:>8.0f} MB")
 
 
 if __name__ == "__main__":

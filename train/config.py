@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 from kdcache.common.config import ConfigError, field, validate
 
-from .losses import LossConfig
+from .losses import LossConfig, default_chunk
 
 
 @dataclass
@@ -18,7 +18,8 @@ class TrainConfig:
     tail: str = field("tail", "teacher mass outside top-k: tail bucket, or renorm over the top-k",
                       choices=("tail", "renorm"))
     sft_alpha: float = field(0.0, "weight of the cross-entropy term on the cached completion tokens")
-    loss_chunk: int = field(1024, "positions per loss chunk (bounds [chunk, vocab] float32 memory)")
+    loss_chunk: int = field(0, "positions per loss chunk (bounds [chunk, vocab] float32 memory); 0 = by the "
+                               "student's vocabulary: 512 at 32k, 128 at 152k, 64 at 262k (train/losses.py)")
     # optimisation
     lr: float = field(5e-4, "peak learning rate (AdamW)")
     min_lr_ratio: float = field(0.1, "final learning rate as a fraction of lr (cosine decay)")
@@ -53,7 +54,7 @@ class TrainConfig:
 
     def __post_init__(self):
         validate(self, required=("cache", "student", "out"), checks=[
-            ("loss_chunk", self.loss_chunk >= 1, "must be >= 1"),
+            ("loss_chunk", self.loss_chunk >= 0, "must be >= 0 (0: by vocabulary)"),
             ("nproc_per_node", self.nproc_per_node >= 1, "must be >= 1"),
             ("lr", self.lr > 0, "must be > 0"),
             ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]"),
@@ -75,6 +76,8 @@ class TrainConfig:
             raise ConfigError(f"deepspeed: {self.deepspeed!r} must be a ZeRO stage 0-3 or a .json config file")
         self.loss_config()    # the loss's own checks: beta, temperature, tail, sft_alpha
 
-    def loss_config(self) -> LossConfig:
+    def loss_config(self, vocab_size: int = 32000) -> LossConfig:
+        """The loss settings; --loss-chunk 0 resolved for the student's vocabulary."""
+        chunk = self.loss_chunk or default_chunk(vocab_size)
         return LossConfig(beta=self.beta, temperature=self.temperature, tail=self.tail, sft_alpha=self.sft_alpha,
-                          chunk_size=self.loss_chunk)
+                          chunk_size=chunk)

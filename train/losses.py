@@ -27,6 +27,17 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
+CHUNK_LOGIT_BYTES = 96 * 2**20   # one chunk's [chunk, V] float32 logits, at most (the default chunk's bound)
+
+
+def default_chunk(vocab_size: int) -> int:
+    """Positions per loss chunk for a vocabulary: the largest power of two whose [chunk, V] float32 logits fit
+    CHUNK_LOGIT_BYTES, within [32, 4096]: 512 at 32,000, 128 at 151,936, 64 at 262,144. Peak loss memory is about
+    six chunks of logits (the logits, their softmax and gradients) plus the hidden states (BENCHMARKS.md)."""
+    rows = max(1, CHUNK_LOGIT_BYTES // (4 * max(1, int(vocab_size))))
+    return int(min(4096, max(32, 2 ** (rows.bit_length() - 1))))
+
+
 @dataclass
 class LossConfig:
     beta: float = 0.0  # 0 forward KL, 1 reverse KL, between: generalized JSD

@@ -124,7 +124,8 @@ def setup(cfg):
     student_vocab = model.get_input_embeddings().weight.shape[0]      # before ZeRO-3 partitions it
     ds_cfg = deepspeed_config(cfg)
     stage = ds_cfg.get("zero_optimization", {}).get("stage", 0)
-    module = DistillModule(model, cfg.loss_config(), chunked=stage < 3)   # ZeRO-3 shards lm_head: use the module call
+    # ZeRO-3 shards lm_head: use the module call
+    module = DistillModule(model, cfg.loss_config(student_vocab), chunked=stage < 3)
     # One step count for every rank: rank shares differ by a sample, and a rank with an extra step would run a
     # schedule of its own and call collectives the others never join. Counted from the micro-batches the
     # stream really yields (under --max-tokens they hold fewer than --batch-size samples).

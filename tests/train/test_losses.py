@@ -569,3 +569,17 @@ def test_the_fused_loss_builds_no_gradient_under_no_grad(monkeypatch):
     loud, _ = chunked_kd_loss(hidden, weight, ids, lp, tail, targets, cfg)
     assert calls and loud.requires_grad
     torch.testing.assert_close(quiet, loud.detach())
+
+
+def test_the_default_chunk_follows_the_vocabulary():
+    """--loss-chunk 0 (the default): the chunk's [chunk, V] float32 logits stay within CHUNK_LOGIT_BYTES, as large a
+    power of two as fits, so a 152k or 262k vocabulary does not multiply the loss's peak memory."""
+    from kdcache.train.config import TrainConfig
+    from kdcache.train.losses import CHUNK_LOGIT_BYTES, default_chunk
+    for vocab, want in ((32000, 512), (151936, 128), (262144, 64), (400, 4096)):
+        c = default_chunk(vocab)
+        assert c == want and (c * vocab * 4 <= CHUNK_LOGIT_BYTES or c == 32)
+        assert c == 4096 or 2 * c * vocab * 4 > CHUNK_LOGIT_BYTES                 # the largest that fits
+    cfg = TrainConfig(cache="c", student="s", out="o")
+    assert cfg.loss_chunk == 0 and cfg.loss_config(151936).chunk_size == 128
+    assert TrainConfig(cache="c", student="s", out="o", loss_chunk=16).loss_config(151936).chunk_size == 16
