@@ -49,3 +49,14 @@ def test_stop_rate_length_and_kl_of_models_whose_answers_are_known(models):
     assert never["kl_from_reference"] > 10                                     # every answer token far apart
     assert "kl_from_reference" not in ends
     json.dumps(res)                                                            # eval.json can hold it
+
+
+def test_the_kl_is_a_mean_per_answer_token(models, tmp_path):
+    """One held-out chat five times over gives the KL of that chat once: a mean per token, not a total."""
+    from tests.helpers.cli import write_jsonl as write
+    chat = open(models["data"]).readline()
+    one, five = write(tmp_path / "one.jsonl", [chat.strip()]), write(tmp_path / "five.jsonl", [chat.strip()] * 5)
+    pair = {"ends": models["ends"], "never": models["never"]}
+    kl1 = evaluate(pair, one, reference="ends", max_new_tokens=2)["never"]["kl_from_reference"]
+    kl5 = evaluate(pair, five, reference="ends", max_new_tokens=2)["never"]["kl_from_reference"]
+    assert kl1 > 10 and kl5 == pytest.approx(kl1, rel=1e-6)
