@@ -75,3 +75,4 @@ def test_generate_mode_vllm_matches_hf_greedy(tiny, stopping, tmp_path):
         assert_topk_parity(want, rec)
     assert any(not r.truncated for r in recs) and any(r.truncated for r in recs)     # both kinds ran
     assert verify_cache(tmp_path / "vllm").ok
+

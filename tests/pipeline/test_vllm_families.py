@@ -1,0 +1,44 @@
+"""vLLM on other families' templates and architectures (a file of its own so that it runs beside test_vllm.py)."""
+import pytest
+
+from kdcache.cache_format import open_cache, verify_cache
+from tests.helpers.cli import precompute, write_jsonl
+from tests.pipeline.test_vllm import assert_topk_parity, hf_reference
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
+
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma"])
+def test_vllm_on_other_families_agrees_with_transformers_and_stops_on_their_ids(family, tmp_path):
+    """Not only Qwen2 and ChatML: a Llama 3 teacher (three stop ids: <|eot_id|>, <|eom_id|>, <|end_of_text|>) and
+    a Gemma 2 one (soft-capped logits, eager attention in transformers), multi-turn chats, scored by vLLM: equal to
+    transformers at every position, every end-of-turn position kept (verify), the family's stop ids recorded."""
+    import vllm  # noqa: F401
+
+    from kdcache.demo.task import corpus, make_splits
+    from tests.helpers.families import (
+        CHATS,
+        FAMILY_ARCH,
+        corpus_texts,
+        expected_refusal,
+        family_model,
+        family_tokenizer,
+    )
+    tok = family_tokenizer(family, str(tmp_path / "tok"), corpus_texts() + list(corpus(make_splits(60, 0, seed=0)[0])))
+    family_model(tok, str(tmp_path / "teacher"), arch=FAMILY_ARCH[family])
+    chats = [{"messages": c["messages"]} for c in CHATS if not expected_refusal(family, c["messages"])][:6]
+    data = write_jsonl(tmp_path / "d.jsonl", chats)
+    res = precompute("--teacher", tmp_path / "teacher", "--data", data, "--out", tmp_path / "c", "--backend", "vllm",
+                     "--top-k", 16, "--logprob-dtype", "float32", "--max-length", 256, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert verify_cache(tmp_path / "c").ok
+    cache = open_cache(tmp_path / "c")
+    recs = list(cache)
+    assert len(recs) == len(chats)
+    stops = {tok.convert_ids_to_tokens(int(t)) for t in cache.eos_token_ids}
+    want = {"llama3": {"<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"}, "gemma": {"<end_of_turn>", "<eos>"}}[family]
+    assert want <= stops, stops
+    _, ref = hf_reference(str(tmp_path / "teacher"), recs, 16)
+    for w, r in zip(ref, recs):
+        assert_topk_parity(w, r)
