@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # subprocesses (Ray, vLLM, DeepSpeed start-up), so two overlap well even on 2 cores (17:57 -> 11:46 here).
 TEST_WORKERS ?= 2
 
-.PHONY: setup test test-quick demo precompute train bench chaos lint clean
+.PHONY: setup test test-quick demo precompute train bench chaos gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,9 @@ bench: setup
 # Fault injection: kill precompute and training at random moments and commit points, resume, count losses.
 chaos: setup
 	$(BIN)/python bench/chaos.py $(ARGS)
+
+gpu-check: setup
+	$(BIN)/python bench/gpu_check.py $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check cache_format pipeline train kdcache tests bench examples

@@ -8,7 +8,6 @@ from tests.pipeline.test_vllm import assert_topk_parity, hf_reference
 pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
 
 
-
 @pytest.mark.parametrize("family", ["llama3", "gemma"])
 def test_vllm_on_other_families_agrees_with_transformers_and_stops_on_their_ids(family, tmp_path):
     """Not only Qwen2 and ChatML: a Llama 3 teacher (three stop ids: <|eot_id|>, <|eom_id|>, <|end_of_text|>) and
