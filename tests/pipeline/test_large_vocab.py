@@ -29,7 +29,7 @@ def test_a_151936_vocabulary_through_vllm_at_k128_equals_transformers_and_trains
         emb = teacher.get_input_embeddings().weight
         emb[n:] = torch.randn(VOCAB - n, emb.shape[1], generator=torch.Generator().manual_seed(0)) * emb[:n].std()
     save(teacher, tok, str(tmp_path / "teacher"))
-    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:4])
+    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:2])
     res = precompute("--teacher", tmp_path / "teacher", "--data", data, "--out", tmp_path / "cache", "--backend",
                      "vllm", "--top-k", 128, "--logprob-dtype", "float32", "--max-length", 256, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
