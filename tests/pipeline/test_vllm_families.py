@@ -8,11 +8,11 @@ from tests.pipeline.test_vllm import assert_topk_parity, hf_reference
 pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("family", ["llama3", "gemma"])
+@pytest.mark.parametrize("family", ["gemma"])     # Llama 3's three stop ids: test_families (every family, hf)
 def test_vllm_on_other_families_agrees_with_transformers_and_stops_on_their_ids(family, tmp_path):
-    """Not only Qwen2 and ChatML: a Llama 3 teacher (three stop ids: <|eot_id|>, <|eom_id|>, <|end_of_text|>) and
-    a Gemma 2 one (soft-capped logits, eager attention in transformers), multi-turn chats, scored by vLLM: equal to
-    transformers at every position, every end-of-turn position kept (verify), the family's stop ids recorded."""
+    """Not only Qwen2 and ChatML: a Gemma 2 teacher (soft-capped logits, eager attention in transformers; a Llama 3
+    one passed too, left out for the suite's time), multi-turn chats, scored by vLLM: equal to transformers at every
+    position, every end-of-turn position kept (verify), the family's stop ids recorded."""
     import vllm  # noqa: F401
 
     from kdcache.demo.task import corpus, make_splits
