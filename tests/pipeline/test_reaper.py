@@ -10,6 +10,8 @@ from tests.helpers.cli import user_env, user_project
 DRIVER = """
 import ctypes, signal, subprocess, sys, time
 from kdcache.pipeline import reaper
+mine = subprocess.Popen(["sleep", "300"])              # the calling program's own child, from before: not Ray's
+open(sys.argv[1] + ".mine", "w").write(str(mine.pid))
 r = reaper.start()
 # like the raylet: a child that dies with the driver (PR_SET_PDEATHSIG) and has started a grandchild in a session
 # of its own that does not (as Ray's agents are): once the driver is killed, the grandchild is nobody's child
@@ -20,7 +22,7 @@ time.sleep(60)
 """
 
 
-def test_a_driver_killed_by_sigkill_takes_its_orphaned_descendants_along(tmp_path):
+def test_a_driver_killed_by_sigkill_takes_its_orphaned_descendants_along_and_nothing_older(tmp_path):
     pidfile = tmp_path / "grandchild.pid"
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(pidfile)], cwd=user_project(), env=user_env())
     deadline = time.time() + 30
@@ -35,9 +37,13 @@ def test_a_driver_killed_by_sigkill_takes_its_orphaned_descendants_along(tmp_pat
     while time.time() < deadline and _alive(grandchild):
         time.sleep(0.1)
     alive = _alive(grandchild)
-    if alive:
-        os.kill(grandchild, signal.SIGKILL)
+    mine = int((tmp_path / "grandchild.pid.mine").read_text())
+    kept = _alive(mine)
+    for pid in (grandchild, mine):
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
     assert not alive, "the orphaned grandchild outlived the driver"
+    assert kept, "the reaper killed a process the driver had started before it"
 
 
 def _alive(pid):
