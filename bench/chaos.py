@@ -10,7 +10,8 @@ Precompute: an uninterrupted reference run, then trials (each with its own --sha
 the whole process tree at a random moment, send SIGTERM or SIGHUP to the whole process group (a
 batch scheduler, a closed terminal), or SIGKILL a process exactly at a crash point (a worker just before it renames a
 finished shard into place, or uploads it with --s3; the driver just before it replaces
-manifest.json), then rerun the same command until it completes. With --s3 the caches are written
+manifest.json), or kill -9 a served teacher (`vllm serve`) mid-job and start it again (the job rides the
+outage out or gives up and is rerun), then rerun the same command until it completes. With --s3 the caches are written
 to an S3-compatible server (moto) started on 127.0.0.1. Each final cache is verified and compared
 with the reference sample by sample: samples lost, samples duplicated, values different.
 
@@ -169,15 +170,16 @@ def _complete(out):
         return False
 
 
-PRECOMPUTE_KINDS = ("worker-crash", "driver-crash", "sigterm", "sighup", "kill9-tree", "kill9-driver")
+PRECOMPUTE_KINDS = ("worker-crash", "driver-crash", "sigterm", "sighup", "kill9-tree", "kill9-driver",
+                    "served-restart")
 TRAIN_KINDS = ("checkpoint-crash", "sigterm", "sighup", "sigkill", "launcher-kill9", "second-trainer")
 
 
-def _precompute_plans(args, rng, window, s3):
-    """(kind, label, how, shard size): args.trials of each kind in args.kinds, moments drawn from rng."""
+def _precompute_plans(args, rng, window, s3, kinds):
+    """(kind, label, how, shard size): args.trials of each of `kinds`, moments drawn from rng."""
     plans = []
     for _ in range(args.trials):                      # round robin: a run cut short still covers every kind
-        for kind in [k for k in PRECOMPUTE_KINDS if f"precompute:{k}" in args.kinds]:
+        for kind in kinds:
             size = int(rng.choice(SHARD_SIZES))
             shards = -(-args.records // size)
             if kind == "worker-crash":
@@ -191,6 +193,10 @@ def _precompute_plans(args, rng, window, s3):
             elif kind in ("sigterm", "sighup"):
                 sig, t = getattr(signal, kind.upper()), float(rng.uniform(0, window))
                 label, how = f"{sig.name} to the group {t:.2f} s after the first commit", (sig, t)
+            elif kind == "served-restart":
+                t, down = float(rng.uniform(0, window)), float(rng.choice([0.0, rng.uniform(0, 20)]))
+                label = f"served teacher kill -9 {t:.2f} s after the first commit, restarted {down:.1f} s later"
+                how = ("served-restart", (t, down))
             else:
                 t = float(rng.uniform(0, window))
                 alone = kind == "kill9-driver"
@@ -201,18 +207,46 @@ def _precompute_plans(args, rng, window, s3):
 
 
 def precompute_trials(args, work, teacher, rng, root):
+    """The in-process trials (hf teacher) and, for the served-restart kind, trials against a real `vllm serve` of the
+    same teacher. Returns (rows, reference duration, commit window)."""
     from kdcache.demo.task import make_splits, write_jsonl
     data = os.path.join(work, "data.jsonl")
     write_jsonl(make_splits(args.records, 0, seed=3)[0], data)
     common = ["precompute", "--teacher", teacher, "--data", data, "--backend", "hf", "--top-k", 16,
               "--no-progress", "--worker-cpus", 0.5]
-    ref = f"{root}/pre-ref"
-    duration, window = _reference_precompute(args, common, ref)
+    s3 = root.startswith("s3://")
+    local = [k for k in PRECOMPUTE_KINDS if f"precompute:{k}" in args.kinds and k != "served-restart"]
+    rows, duration, window = [], None, None
+    if local:
+        duration, window = _reference_precompute(args, common, f"{root}/pre-ref")
+        plans = _precompute_plans(args, rng, window, s3, local)
+        rows += _run_precompute_trials(args, common, f"{root}/pre-ref", root, "pre", plans)
+    if "precompute:served-restart" in args.kinds:
+        from tests.helpers.vllm_server import VLLMServer
+        server = VLLMServer(teacher, max_logprobs=16, log_path=os.path.join(work, "vllm.log")).start()
+        try:
+            common_s = ["precompute", "--teacher", server.url, "--tokenizer", teacher, "--data", data, "--top-k", 16,
+                        "--no-progress", "--worker-cpus", 0.5, "--requests-in-flight", 2]
+            d, w = _reference_precompute(args, common_s, f"{root}/served-ref")
+            print(f"served teacher (vllm serve): reference run {d:.1f} s, {w:.1f} s from its first shard commit to "
+                  "its last", flush=True)
+            duration, window = duration or d, window or w
+            plans = _precompute_plans(args, rng, w, s3, ["served-restart"])
+            rows += _run_precompute_trials(args, common_s, f"{root}/served-ref", root, "served", plans, server)
+        finally:
+            server.stop()
+    return rows, duration, window
+
+
+def _run_precompute_trials(args, common, ref, root, prefix, plans, server=None):
     rows = []
-    for i, (kind, label, how, size) in enumerate(_precompute_plans(args, rng, window, root.startswith("s3://"))):
-        out = f"{root}/pre-{i}"
+    for i, (kind, label, how, size) in enumerate(plans):
+        out = f"{root}/{prefix}-{i}"
         cmd = kdcache_cmd(*common, "--shard-size", size, "--out", out)
-        interrupted, orphans = _interrupt_precompute(cmd, out, how)
+        if how[0] == "served-restart":
+            interrupted, orphans = _restart_server_mid_job(cmd, out, server, *how[1])
+        else:
+            interrupted, orphans = _interrupt_precompute(cmd, out, how)
         committed = _committed(out)
         sound_after_kill = verify_cache(out).ok if committed else True
         for _ in range(3):
@@ -228,7 +262,32 @@ def precompute_trials(args, work, teacher, rng, root):
         print(f"  {kind}: {label}: {'ok' if ok else 'FAIL'}{'' if interrupted else ' (not counted)'}", flush=True)
         if not args.keep and not root.startswith("s3://"):
             shutil.rmtree(out, ignore_errors=True)
-    return rows, duration, window
+    return rows
+
+
+SERVED_RETRY_S = 30    # a restart takes 20-60 s here: some trials ride the outage out, others give up and resume
+
+
+def _restart_server_mid_job(cmd, out, server, t, down):
+    """kill -9 the served teacher (its whole process group) t s after the job's first commit, start it again on the
+    same port `down` s later. The job rides the outage out if the server is back within KDCACHE_SERVED_RETRY_S,
+    else it gives up and the rerun resumes. Returns (landed: the cache was incomplete at the kill, 0)."""
+    proc = start(cmd, env=dict(os.environ, KDCACHE_SERVED_RETRY_S=str(SERVED_RETRY_S)))
+    while proc.poll() is None and not _committed(out):
+        time.sleep(0.05)
+    time.sleep(t)
+    if proc.poll() is not None:
+        return False, 0
+    landed = not _complete(out)
+    t0 = time.time()
+    server.kill()
+    time.sleep(down)
+    server.start()
+    proc.wait()
+    print(f"    the server was down {time.time() - t0:.0f} s: the job "
+          f"{'rode it out' if proc.returncode == 0 else f'gave up (exit {proc.returncode}); the rerun resumes'}",
+          flush=True)
+    return landed, 0
 
 
 def _train_plans(args, rng):

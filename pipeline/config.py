@@ -50,6 +50,9 @@ class PrecomputeConfig:
                                       "local teacher, else 1; on CPU, a count)")
     tensor_parallel_size: int = field(1, "vLLM backend: GPUs per teacher worker, the teacher split over them "
                                          "(tensor parallel; one Ray placement group per worker, on one node)")
+    enforce_eager: bool = field(False, "vLLM backend: no torch.compile and no CUDA graphs (vLLM's enforce_eager): "
+                                       "the teacher starts sooner and holds less memory, generation may be slower; "
+                                       "the other backends ignore it")
     worker_cpus: float | None = field(None, "Ray CPUs reserved per worker (fractions allowed; default 1, or 0.25 for "
                                             "a served teacher, whose workers only wait on HTTP)")
     worker_gpus: float = field(-1.0, "Ray GPUs per worker; -1 = 1 if the cluster has GPUs, else 0")

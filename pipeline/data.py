@@ -28,20 +28,69 @@ class Row:
     where: str               # "FILE:LINE" or "FILE row N", for messages
     data: object = None      # the decoded JSON object (or table row as a dict)
     error: str = None        # why it could not be decoded (a bad row, counted under --on-bad-record)
+    skip: tuple = None       # (reason, message): no record to use here (a sample the source cache skipped)
 
 
 @dataclass
 class Example:
-    """A parsed row. kind: 'chat' (messages), 'pair' (prompt/completion) or 'text'."""
+    """A parsed row. kind: 'chat' (messages), 'pair' (prompt/completion), 'text', or 'ids' (token ids the record
+    carries: input_ids, and labels with -100 where a token is not trained; None: every token after the first)."""
     kind: str
     messages: list = None
     prompt: str = None
     completion: str = None
     text: str = None
+    input_ids: list = None
+    labels: list = None
+    truncated: bool = False  # ids: flagged cut short by the record itself (a cache's samples carry theirs)
+
+
+IGNORE = -100     # labels[t] == IGNORE: token t is not trained (the Hugging Face convention)
+
+
+def _int_list(data, key):
+    v = data.get(key)
+    if not isinstance(v, list) or not v:
+        raise BadRow(f"field {key!r} must be a non-empty list of integers")
+    for t, x in enumerate(v):
+        if not isinstance(x, int) or isinstance(x, bool):
+            raise BadRow(f"{key}[{t}] must be an integer, got {type(x).__name__} {x!r}"[:200])
+    return v
+
+
+def parse_ids(data) -> Example:
+    """{"input_ids": [...], "labels": [...]}: labels[t] is IGNORE or input_ids[t]; position t-1 is trained where it
+    is not IGNORE (labels[0] is never a target: no position predicts it). Without labels, every token is."""
+    ids = _int_list(data, "input_ids")
+    truncated = data.get("truncated", False)
+    if not isinstance(truncated, bool):
+        raise BadRow(f"field 'truncated' must be true or false, got {type(truncated).__name__}")
+    if "labels" not in data or data["labels"] is None:
+        return Example("ids", input_ids=ids, truncated=truncated)
+    labels = _int_list(data, "labels")
+    if len(labels) != len(ids):
+        raise BadRow(f"'labels' has {len(labels)} entries and 'input_ids' {len(ids)}: they must be as long")
+    for t, (x, y) in enumerate(zip(ids, labels)):
+        if y != IGNORE and y != x:
+            raise BadRow(f"labels[{t}] = {y} but input_ids[{t}] = {x}: a label is the input id it trains, or "
+                         f"{IGNORE} (kdcache trains the ids it is given, never others)")
+    if all(y == IGNORE for y in labels[1:]):
+        raise BadRow("every label after the first is -100: nothing to distill")
+    return Example("ids", input_ids=ids, labels=labels, truncated=truncated)
+
+
+def is_cache(path) -> bool:
+    """A kdcache cache (a directory or URL with a manifest) given as a dataset: its ids, rescored."""
+    if "://" in str(path):
+        return True
+    return os.path.isfile(os.path.join(path, "manifest.json"))
 
 
 def iter_rows(path):
     """Yield Row for every record of the dataset at path, in a fixed order."""
+    if is_cache(path):
+        yield from iter_cache_rows(path)
+        return
     if not os.path.exists(path):
         raise DataError(f"dataset {path} does not exist (hub dataset names need network access, "
                         "which this machine has not: save the dataset to disk and pass the directory)")
@@ -139,6 +188,48 @@ def _iter_hf_dir(path):
                 index = rec.index + 1
 
 
+def open_source_cache(path):
+    """The cache at path, complete, or DataError."""
+    from kdcache.cache_format import open_cache
+    from kdcache.cache_format.errors import CacheError
+    try:
+        cache = open_cache(path)
+    except (CacheError, OSError) as e:
+        raise DataError(f"dataset {path}: a cache that cannot be read ({e}); a URL as --data must be a kdcache "
+                        "cache") from None
+    m = cache.manifest
+    if not m["complete"]:
+        raise DataError(f"dataset {path}: the cache is incomplete ({len(m['shards'])} of {m['num_shards_planned']} "
+                        "shards); finish it (rerun its precompute) before rescoring it")
+    return cache
+
+
+def cache_records(cache) -> int:
+    """The source's record count: its sample ids run below it (skipped records leave gaps)."""
+    return max((int(s["sample_end"]) for s in cache.manifest["shards"]), default=0)
+
+
+def iter_cache_rows(path):
+    """A cache's samples as id records (their input ids, their trained positions as labels, their truncated flag),
+    at their own sample ids; the records the source skipped come out as skips, so both caches line up id for id."""
+    cache = open_source_cache(path)
+    nxt = 0
+    for rec in cache:
+        sid = int(rec.sample_id)
+        for i in range(nxt, sid):
+            yield Row(i, f"{path} sample {i}", skip=("source_skipped", "the source cache has no sample here (it "
+                                                     "skipped the record: see its report/skipped.jsonl)"))
+        ids = rec.input_ids.tolist()
+        labels = [IGNORE] * len(ids)
+        for p in rec.positions.tolist():
+            labels[p + 1] = ids[p + 1]
+        yield Row(sid, f"{path} sample {sid}", {"input_ids": ids, "labels": labels, "truncated": bool(rec.truncated)})
+        nxt = sid + 1
+    for i in range(nxt, cache_records(cache)):
+        yield Row(i, f"{path} sample {i}", skip=("source_skipped", "the source cache has no sample here (it skipped "
+                                                 "the record: see its report/skipped.jsonl)"))
+
+
 def _need_str(d, key, where_key=None, allow_empty=False):
     v = d.get(key)
     if not isinstance(v, str):
@@ -152,6 +243,8 @@ def parse_row(data) -> Example:
     """Check the record's shape and types; raise BadRow naming the field. Unknown fields are ignored."""
     if not isinstance(data, dict):
         raise BadRow(f"record must be a JSON object, got {type(data).__name__}")
+    if "input_ids" in data:
+        return parse_ids(data)
     if "messages" in data:
         msgs = data["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -175,5 +268,5 @@ def parse_row(data) -> Example:
         return Example("pair", prompt=_need_str(data, "prompt", allow_empty=True), completion=_need_str(data, key))
     if "text" in data:
         return Example("text", text=_need_str(data, "text"))
-    raise BadRow(f"record has none of the fields 'messages', 'prompt'+'completion', 'text' "
+    raise BadRow(f"record has none of the fields 'messages', 'prompt'+'completion', 'text', 'input_ids' "
                     f"(found: {sorted(data)[:8]})")

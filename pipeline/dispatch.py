@@ -34,6 +34,7 @@ from .worker import TeacherWorker, Unit
 class RunStats:
     tokens: int = 0          # tokens scored this run
     teacher_s: float = 0.0   # summed over workers
+    retried: int = 0         # served teacher: requests retried after a transient failure (the server down, a 5xx)
     loop_s: float = 0.0      # first shard submitted -> last shard committed (start-up excluded)
     stopped: bool = False    # a signal stopped the run early
     startup: dict = field(default_factory=dict)   # seconds from the job's start: see Dispatcher
@@ -332,6 +333,7 @@ class Dispatcher:
         st = self.stats
         st.tokens += res["tokens"]
         st.teacher_s += res["teacher_s"]
+        st.retried += res.get("retried", 0)
         if self.bar is not None:
             self.bar.update(res["shard"].entry.num_samples)
             self.bar.set_postfix(tok_s=f"{st.tokens / (time.perf_counter() - self._t0):,.0f}",

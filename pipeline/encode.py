@@ -13,10 +13,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kdcache.cache_format.record import span_positions
-from kdcache.common.errors import ConfigError, SkipSample
+from kdcache.common.errors import BadRow, ConfigError, SkipSample
 
 from .chat import chat_spans, render
-from .data import Example
+from .data import IGNORE, Example
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Encoder:
     and the tokenizer's, end_of_turn_ids); the tokenizer's own EOS (self.eos) ends --template raw turns."""
 
     def __init__(self, tok, *, template="auto", max_length=2048, overlong="truncate", turn_ends=(),
-                 drop_end_of_turn=False, text_end=None, max_messages=MAX_MESSAGES):
+                 drop_end_of_turn=False, text_end=None, max_messages=MAX_MESSAGES, vocab_size=None):
         self.tok = tok
         self.has_template = bool(getattr(tok, "chat_template", None))
         if template == "chat" and not self.has_template:
@@ -94,6 +94,7 @@ class Encoder:
         self.eos = int(tok.eos_token_id) if tok.eos_token_id is not None else min(self.turn_ends)
         self.text_end = document_end_id(tok) if text_end is None else int(text_end)
         self.max_messages = max_messages
+        self.vocab_size = vocab_size               # the teacher's rows: ids records are checked against it
         self.drop_end_of_turn = drop_end_of_turn   # the bug other tools shipped; control experiments only
         # Text beyond this many characters cannot reach max_length tokens' worth of the sample: no token covers
         # more characters than its vocabulary string has, so it is cut before tokenizing (a 20 MB record costs
@@ -102,6 +103,8 @@ class Encoder:
 
     # -- score mode: whole sequence plus trained spans ---------------------------------
     def encode(self, ex: Example, sample_id: int = 0) -> Sample:
+        if ex.kind == "ids":
+            return self._ids(ex, sample_id)
         if ex.kind in ("chat", "pair"):
             msgs = self._messages(ex) or [{"role": "user", "content": ex.prompt},
                                           {"role": "assistant", "content": ex.completion}]
@@ -114,6 +117,31 @@ class Encoder:
         if self.drop_end_of_turn:
             positions = positions[~np.isin(np.asarray(ids)[positions + 1], list(self.turn_ends))]
         return self._limit(sample_id, ids, positions)
+
+    def _ids(self, ex: Example, sample_id: int) -> Sample:
+        """A record's own token ids, as they are (rule 2 at the input: nothing templated or tokenized). It counts
+        as truncated where its last trained target is no end-of-turn id (it never stops)."""
+        ids = self._in_vocab(ex.input_ids)
+        if len(ids) < 2:
+            raise BadRow("input_ids holds one id: no position predicts another, nothing to distill")
+        if ex.labels is None:
+            positions = np.arange(len(ids) - 1)
+        else:
+            positions = np.nonzero(np.asarray(ex.labels[1:]) != IGNORE)[0]
+        if self.drop_end_of_turn:
+            positions = positions[~np.isin(ids[positions + 1], list(self.turn_ends))]
+        s = self._limit(sample_id, ids, positions)
+        ends = len(s.positions) and int(s.input_ids[s.positions[-1] + 1]) in self.turn_ends
+        return replace(s, truncated=s.truncated or ex.truncated or not ends)
+
+    def _in_vocab(self, input_ids) -> np.ndarray:
+        ids = np.asarray(input_ids, dtype=np.int64)
+        bad = np.nonzero((ids < 0) | (ids >= (self.vocab_size or 2**31)))[0]
+        if len(bad):
+            t = int(bad[0])
+            raise BadRow(f"input_ids[{t}] = {int(ids[t])} is outside the teacher's vocabulary of "
+                         f"{self.vocab_size or 2**31:,} ids ({len(bad)} such id(s) in this record)")
+        return ids.astype(np.int32)
 
     def _messages(self, ex: Example):
         """The record's messages, refused (counted) past max_messages before the template sees any of them."""
@@ -147,6 +175,10 @@ class Encoder:
 
     # -- generate mode: the prompt only ----------------------------------------------------
     def encode_prompt(self, ex: Example, sample_id: int = 0) -> Sample:
+        if ex.kind == "ids":        # the ids before the first trained one (all of them, without labels)
+            ids = self._in_vocab(ex.input_ids)
+            first = None if ex.labels is None else next(t for t, y in enumerate(ex.labels) if t and y != IGNORE)
+            return self._prompt(sample_id, ids if first is None else ids[:first])
         if ex.kind == "text":
             raise SkipSample("text_in_generate", "plain text records have no prompt to generate from")
         msgs = self._messages(ex) or [{"role": "user", "content": ex.prompt}]
@@ -155,6 +187,9 @@ class Encoder:
             ids = self.tok(render(self.tok, msgs, gen_prompt=True), add_special_tokens=False)["input_ids"]
         else:
             ids = self._raw_chat(msgs)[0]
+        return self._prompt(sample_id, ids)
+
+    def _prompt(self, sample_id, ids) -> Sample:
         if len(ids) >= self.max_length:
             raise SkipSample("too_long", f"prompt of {len(ids)} tokens leaves no room under max_length "
                              f"{self.max_length}")

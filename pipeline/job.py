@@ -23,7 +23,7 @@ from kdcache.cache_format.writer import cache_fingerprint, existing_manifest
 from kdcache.common.errors import BadRow, DataError, SkipSample
 
 from . import summary as report
-from .data import iter_rows, jsonl_lines, parse_row
+from .data import cache_records, is_cache, iter_rows, jsonl_lines, open_source_cache, parse_row
 from .dispatch import Dispatcher, RayStarter, RunStats, prestart_workers
 from .settle import Job, may_start_early, settle
 from .spool import Spool
@@ -91,6 +91,8 @@ def count_rows(path):
     """The number of records iter_rows(path) yields, without parsing them: the shard plan (shard j = records
     [j*shard_size, (j+1)*shard_size)) needs it before the scan is over. JSONL: non-blank lines; Parquet: its
     metadata; anything else: a pass of the reader. The scan checks it read as many."""
+    if is_cache(path):
+        return cache_records(open_source_cache(path))
     if os.path.isfile(path) and path.endswith((".jsonl", ".json", ".ndjson")):
         with open(path, "rb") as f:
             return sum(1 for line in jsonl_lines(f) if line is None or line.strip())
@@ -105,21 +107,26 @@ def count_rows(path):
 
 
 def scan(cfg, encoder, spool, n_records=None, pump=None):
-    """The one pass over the dataset: count records, list every skip, spool the encoded samples.
+    """The one pass over the dataset: count records, list every skip, spool the encoded samples. Returns (records
+    read, skipped, samples by record kind).
 
     pump(records read, hold_back) is called after every record: the teacher workers get each shard as soon as its
     records are spooled (dispatch.Dispatcher.pump); hold_back once a malformed record will fail the job.
     A malformed record under on_bad_record=fail, a dataset with no usable record, or one whose record count differs
     from n_records stop the job here, after the whole pass, before anything is committed.
     """
-    n, skipped, failing = 0, [], False
+    n, skipped, failing, kinds = 0, [], False, Counter()
     encode = encoder.encode_prompt if cfg.mode == "generate" else encoder.encode   # a prompt, or whole sequences
     for raw in iter_rows(cfg.data):
         n += 1
         try:
             if raw.error:
                 raise BadRow(raw.error)
-            spool.add(encode(parse_row(raw.data), raw.index))
+            if raw.skip:
+                raise SkipSample(*raw.skip)
+            ex = parse_row(raw.data)
+            spool.add(encode(ex, raw.index))
+            kinds[ex.kind] += 1
         except BadRow as e:
             skipped.append({"sample_id": raw.index, "where": raw.where, "reason": "bad_record", "message": str(e)})
             failing = cfg.on_bad_record == "fail"
@@ -140,7 +147,7 @@ def scan(cfg, encoder, spool, n_records=None, pump=None):
     if n_records is not None and n != n_records:
         raise DataError(f"dataset {cfg.data} changed while this job read it ({n_records} records counted first, "
                         f"{n} read); rerun once it no longer changes")
-    return n, skipped
+    return n, skipped, kinds
 
 
 def discard_uncommitted(writer):
@@ -169,6 +176,8 @@ def run_job(job: Job, spool, starter=None):
             "text_end": job.encoder.tok.convert_ids_to_tokens(job.encoder.text_end),
             "chat_template": job.encoder.tok.chat_template if isinstance(job.encoder.tok.chat_template, str) else None,
             "skipped": {}}        # filled in once the scan is over, before the first commit writes it
+    if job.teacher_backend == "vllm":
+        meta["vllm_engine"] = {"enforce_eager": cfg.enforce_eager, "tensor_parallel_size": cfg.tensor_parallel_size}
     if job.server:
         meta["teacher_server"] = {"url": cfg.teacher, **job.server, "revision": cfg.teacher_revision}
     writer = CacheWriter(cfg.out, storage=job.storage, vocab_size=job.vocab_size, eos_token_ids=job.turn_ends,
@@ -185,13 +194,14 @@ def run_job(job: Job, spool, starter=None):
             dispatch = Dispatcher(cfg, writer, starter, spec, job.gpus, todo, n_records, spool, job.t_start)
         try:
             try:
-                _, skipped = scan(cfg, job.encoder, spool, n_records, pump=dispatch and dispatch.pump)
+                _, skipped, kinds = scan(cfg, job.encoder, spool, n_records, pump=dispatch and dispatch.pump)
             except BaseException:
                 if dispatch:
                     dispatch.close()        # the workers stop before their shard files are taken back
                 discard_uncommitted(writer)
                 raise
             writer.set_meta("skipped", dict(Counter(s["reason"] for s in skipped)))
+            writer.set_meta("inputs", dict(sorted(kinds.items())))    # samples by record kind: chat, pair, text, ids
             report.save_reports(cfg, skipped)
             if not todo:
                 print(f"{cfg.out}: cache already complete ({n_units} shards); nothing to do.")

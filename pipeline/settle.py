@@ -15,9 +15,10 @@ from kdcache.cache_format import CacheError, Storage, hash_json, hash_tree
 from kdcache.cache_format.location import Location
 from kdcache.cache_format.manifest import MANIFEST_NAME
 from kdcache.cache_format.store import is_store
-from kdcache.cache_format.tokenizer_id import tokenizer_identity
+from kdcache.cache_format.tokenizer_id import diff_identity, tokenizer_identity
 from kdcache.common.errors import ConfigError, DataError
 
+from .data import is_cache, open_source_cache
 from .dispatch import own_ray, worker_gpus
 from .encode import MAX_MESSAGES, Encoder, document_end_id, end_of_turn_ids
 from .placement import check_tensor_parallel, resolve_workers, visible_gpus
@@ -58,6 +59,8 @@ class Job:
                                 threads=threads,
                                 **({} if cfg.tensor_parallel_size == 1 else
                                    dict(tensor_parallel_size=cfg.tensor_parallel_size)),
+                                **(dict(enforce_eager=True) if cfg.enforce_eager and self.teacher_backend == "vllm"
+                                   else {}),
                                 **({} if self.server is None else
                                    dict(requests_in_flight=cfg.requests_in_flight, expect=self.server))),
             storage=self.storage, vocab_size=self.vocab_size, generate=gen)
@@ -83,7 +86,7 @@ def check_paths(cfg):
         raise ConfigError(f"teacher: {cfg.teacher} is not a model directory (no config.json there); {local}")
     if cfg.tokenizer and not os.path.isdir(cfg.tokenizer):
         raise ConfigError(f"tokenizer: {cfg.tokenizer} is not a directory; {local}")
-    if not os.path.exists(cfg.data):
+    if not is_cache(cfg.data) and not os.path.exists(cfg.data):
         raise DataError(f"dataset {cfg.data} does not exist (hub dataset names need network access: save the "
                         "dataset to disk with datasets' save_to_disk and pass the directory)")
 
@@ -242,6 +245,7 @@ def settle(cfg, t_start) -> Job:
         print(f"note: {cfg.tokenizer} has no config.json: the teacher's vocabulary size is taken from its tokenizer "
               f"({vocab_size}); copy the served model's config.json there if its embeddings are padded beyond it")
     check_top_k(cfg, vocab_size)
+    encoder.vocab_size = vocab_size          # token-id records are checked against the teacher's rows
     if server:
         from .teacher_served import check_top_k as check_server_top_k
         check_server_top_k(cfg.teacher, server, cfg.top_k)
@@ -250,8 +254,23 @@ def settle(cfg, t_start) -> Job:
     except CacheError as e:
         raise ConfigError(str(e)) from None
     tok_id = tokenizer_identity(tok)
+    if is_cache(cfg.data):
+        check_source_tokenizer(cfg.data, tok_id)
     parts = fingerprint_parts(cfg, tok_id, ends, backend, dtype, server)
     return Job(cfg, encoder, tok_id, ends, backend, reason, server, gpus, dtype, vocab_size, storage, parts, t_start)
+
+
+def check_source_tokenizer(path, tok_id):
+    """A cache given as --data is rescored on its own ids: refused unless they were made with this job's tokenizer."""
+    src = open_source_cache(path).manifest["meta"].get("tokenizer")
+    if not isinstance(src, dict):
+        raise ConfigError(f"dataset {path}: the cache records no tokenizer identity (meta.tokenizer), so nothing shows "
+                          "its ids are this teacher's tokens; it cannot be rescored")
+    diffs = diff_identity(src, tok_id)
+    if diffs:
+        raise ConfigError(f"dataset {path}: its token ids were made with another tokenizer than this job's "
+                          f"({'; '.join(diffs)}): rescoring them would score other tokens than they mean. Use a "
+                          "teacher (or --tokenizer) with the cache's tokenizer")
 
 
 def teacher_part(cfg, server):
@@ -261,6 +280,15 @@ def teacher_part(cfg, server):
         return hash_tree(cfg.teacher)
     return {"served_model": server["model"], "max_model_len": server["max_model_len"],
             "vllm_version": server["vllm_version"], "revision": cfg.teacher_revision}
+
+
+def data_part(path) -> str:
+    """The dataset by content. A cache as --data: its fingerprint and its shards' checksums (its directory also
+    holds reports and read stamps, which change when it is read, not what it holds)."""
+    if not is_cache(path):
+        return hash_tree(path)
+    m = open_source_cache(path).manifest
+    return hash_json({"cache": m["fingerprint"], "shards": [[s["path"], s["sha256"]] for s in m["shards"]]})
 
 
 def fingerprint_parts(cfg, tok_identity, end_of_turn, backend, dtype, server=None):
@@ -278,6 +306,6 @@ def fingerprint_parts(cfg, tok_identity, end_of_turn, backend, dtype, server=Non
     return {
         "teacher": teacher_part(cfg, server),              # weights + config, by content (or the server's word)
         "tokenizer": hash_json(tok_identity),
-        "data": hash_tree(cfg.data),
+        "data": data_part(cfg.data),
         "capture": capture,
     }

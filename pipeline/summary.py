@@ -35,12 +35,14 @@ def summary(cfg, writer, skipped, t_start, stats, shards_at_start):
         "shards_this_run": len(m.shards) - shards_at_start,
         "records": m.meta["records"], "samples_written": c["samples"],
         "skipped": dict(Counter(x["reason"] for x in skipped)),
+        "inputs": dict(m.meta.get("inputs", {})),    # samples by record kind: chat, pair, text, ids (token ids)
         "truncated": sum(x.num_truncated or 0 for x in m.shards),
         "tokens": c["tokens"], "positions": c["positions"], "bytes": c["bytes"],
         "bytes_per_position": round(c["bytes"] / c["positions"], 1) if c["positions"] else None,
         "wall_s": round(wall, 1), "tokens_this_run": stats.tokens,
         "throughput_tok_s": round(stats.tokens / wall, 1) if wall else None,
         "teacher_s": round(stats.teacher_s, 1), "resumed": shards_at_start > 0,
+        "teacher_retries": stats.retried,       # served teacher: requests answered only after a retry
         "loop_s": round(stats.loop_s, 2),       # first shard submitted -> last shard committed (startup excluded)
         "loop_tok_s": round(stats.tokens / stats.loop_s, 1) if stats.loop_s else None,
         # seconds from the job's start: Ray up, the first teacher loaded, the first shard submitted, the dataset
@@ -81,6 +83,7 @@ def _print(s, skipped):
     rows = [("cache", f"{s['cache']} ({'complete' if s['complete'] else 'INCOMPLETE'}, {s['shards']} shards)"),
             ("samples written", f"{s['samples_written']:,} of {s['records']:,} records"),
             ("skipped", ", ".join(f"{k}: {v}" for k, v in sorted(s["skipped"].items())) or "none"),
+            ("inputs", ", ".join(f"{k}: {v:,}" for k, v in s["inputs"].items()) or "none"),
             ("truncated", s["truncated"]),
             ("tokens", f"{s['tokens']:,} ({s['positions']:,} scored positions)"),
             ("size", f"{s['bytes'] / 1e6:.2f} MB, {s['bytes_per_position']} B/position"),
@@ -89,7 +92,14 @@ def _print(s, skipped):
             ("wall time", f"{s['wall_s']} s" + _startup_text(s["startup"])),
             ("throughput", f"{s['loop_tok_s']:,} tokens/s after startup, {s['throughput_tok_s']:,} over the wall time"
              if s["tokens_this_run"] else "no teacher work")]
+    if s["teacher_retries"]:
+        rows.append(("teacher retries", f"{s['teacher_retries']:,} request(s) answered after a retry (the teacher "
+                                        "server was unreachable or failed for a while; nothing was lost)"))
     for k, v in rows:
         print(f"  {k:<16} {v}")
+    if s["inputs"].get("ids"):
+        print(f"  {s['inputs']['ids']:,} record(s) came as token ids: scored as given, never tokenized here, so the "
+              "tokenizer check had nothing to compare for them; the manifest records them as made with the "
+              "tokenizer it names (--tokenizer, default the teacher's)")
     if skipped:
         print(f"  skipped records are listed in {os.path.join(s['cache'], REPORT_DIR, 'skipped.jsonl')}")

@@ -86,6 +86,8 @@ class Client:
         self.retry_s = env_seconds("KDCACHE_SERVED_RETRY_S", RETRY_S) if retry_s is None else retry_s
         self.timeout_s = env_seconds("KDCACHE_SERVED_TIMEOUT_S", TIMEOUT_S) if timeout_s is None else timeout_s
         self._local = threading.local()
+        self.retried = 0              # requests that failed at least once and were tried again (summary.json)
+        self._count = threading.Lock()
 
     def _conn(self):
         c = getattr(self._local, "conn", None)
@@ -167,6 +169,9 @@ class Client:
                 else:
                     problem = f"HTTP {status}: {_error_message(data)}"
             waited = time.monotonic() - t0          # attempts and waits alike
+            if attempt == 1:
+                with self._count:
+                    self.retried += 1
             if say and attempt == 1:
                 say(f"the teacher server at {self.url} did not answer the {what} ({problem}); retrying for up to "
                     f"{self.retry_s:g} s (KDCACHE_SERVED_RETRY_S)")

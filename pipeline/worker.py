@@ -57,6 +57,7 @@ class TeacherWorker:
     def run(self, unit: Unit):
         """Score the unit's samples and write its shard. Returns {shard (a WrittenShard), teacher_s, tokens}."""
         t0 = time.perf_counter()
+        retried = _retried(self.teacher)
         samples = unit.samples
         k = self.spec.storage.top_k
         try:
@@ -73,7 +74,8 @@ class TeacherWorker:
         shard = write_shard_file(unit.directory, unit.index, records, storage=self.spec.storage,
                                  vocab_size=self.spec.vocab_size, sample_start=unit.sample_start,
                                  sample_end=unit.sample_end, tag=unit.shard_tag)
-        return {"shard": shard, "teacher_s": teacher_s, "tokens": int(sum(len(s.input_ids) for s in samples))}
+        return {"shard": shard, "teacher_s": teacher_s, "tokens": int(sum(len(s.input_ids) for s in samples)),
+                "retried": _retried(self.teacher) - retried}
 
     def _generate(self, samples: list[Sample], k: int):
         """Prompts -> (prompt + teacher completion samples (see encode.with_completion), their Scored): in one
@@ -89,3 +91,9 @@ class TeacherWorker:
         gens = self.teacher.generate(prompts, **args)
         full = [with_completion(s, new, ended) for s, (new, ended) in zip(samples, gens)]
         return full, self.teacher.score([s.input_ids for s in full], [s.positions for s in full], k)
+
+
+def _retried(teacher) -> int:
+    """Requests a served teacher's client has retried so far (0 for in-process teachers)."""
+    client = getattr(teacher, "client", None)
+    return int(getattr(client, "retried", 0))

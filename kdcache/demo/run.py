@@ -20,8 +20,10 @@ import time
 STAGES = ("data", "teacher", "precompute", "train", "eval")
 FULL = dict(n_train=3000, n_heldout=200, vocab=1024, teacher_size="teacher", teacher_steps=800, top_k=32,
             shard_size=500, student_steps=1200, student_batch=32, student_lr=3e-3, max_new_tokens=48)
-QUICK = dict(n_train=48, n_heldout=12, vocab=400, teacher_size="test", teacher_steps=30, top_k=16,
-             shard_size=16, student_steps=6, student_batch=8, student_lr=3e-3, max_new_tokens=16)
+# QUICK: the test suite's size, still a real result: the student stops on every held-out prompt, the control on
+# none (200 teacher steps memorise the 48 chats; 40 student steps learn the stop).
+QUICK = dict(n_train=48, n_heldout=12, vocab=400, teacher_size="test", teacher_steps=200, top_k=16,
+             shard_size=16, student_steps=40, student_batch=8, student_lr=3e-3, max_new_tokens=16)
 BARS = {"stop_rate": 0.95, "f1_gap": 0.10}
 NOTE = ("Task: read a job posting, list the required skills, end the turn with `<|im_end|>`. "
         "**teacher**: trained on the task. **student**: a smaller fresh model trained only from the teacher's "

