@@ -66,6 +66,32 @@ def s3():
             os.environ[k] = v
 
 
+@pytest.fixture(scope="session")
+def gcs():
+    """A GCS-compatible server (gcp-storage-emulator) on 127.0.0.1 for the session, reached by gcsfs through
+    STORAGE_EMULATOR_HOST (tests/helpers/gcsserver.py); this process and its children see it."""
+    from tests.helpers.gcsserver import GCSServer
+    server = GCSServer().start()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    yield server
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def gs_bucket(gcs, request):
+    """A fresh bucket on the GCS emulator: gs://<name>."""
+    import re
+    import uuid
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:6]
+    return gcs.make_bucket(name)
+
+
 @pytest.fixture
 def bucket(s3, request):
     """A fresh bucket: s3://<name>."""

@@ -14,8 +14,6 @@ class CuttableProxy:
     def __init__(self, target_port, port=None):
         self.target = ("127.0.0.1", target_port)
         self.port = port or free_port()
-        self.cuts = 0                 # connections reset by cut(): the proof that an outage hit open requests
-        self.accepted = 0
         self._lock = threading.Lock()
         self._socks = set()
         self._listener = None
@@ -48,7 +46,6 @@ class CuttableProxy:
                 s.close()
             except OSError:
                 pass
-        self.cuts += len(socks) // 2
 
     stop = cut
 
@@ -68,7 +65,6 @@ class CuttableProxy:
                     client.close(), upstream.close()
                     return
                 self._socks |= {client, upstream}
-                self.accepted += 1
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
