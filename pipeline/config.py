@@ -50,6 +50,8 @@ class PrecomputeConfig:
                                       "local teacher, else 1; on CPU, a count)")
     tensor_parallel_size: int = field(1, "vLLM backend: GPUs per teacher worker, the teacher split over them "
                                          "(tensor parallel; one Ray placement group per worker, on one node)")
+    pipeline_parallel_size: int = field(1, "vLLM backend: pipeline stages per teacher worker, each of "
+                                           "--tensor-parallel-size GPUs (a worker holds TP x PP GPUs of one node)")
     enforce_eager: bool = field(False, "vLLM backend: no torch.compile and no CUDA graphs (vLLM's enforce_eager): "
                                        "the teacher starts sooner and holds less memory, generation may be slower; "
                                        "the other backends ignore it")
@@ -90,6 +92,7 @@ class PrecomputeConfig:
             ("shard_size", self.shard_size >= 1, "must be >= 1"),
             ("workers", self.workers is None or self.workers >= 1, "must be >= 1"),
             ("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be >= 1"),
+            ("pipeline_parallel_size", self.pipeline_parallel_size >= 1, "must be >= 1"),
             ("worker_cpus", self.worker_cpus is None or self.worker_cpus > 0, "must be > 0"),
             ("max_in_flight", self.max_in_flight >= 1, "must be >= 1"),
             ("requests_in_flight", self.requests_in_flight >= 1, "must be >= 1"),

@@ -26,7 +26,7 @@ from kdcache.common.errors import Interrupted, WorkerDied
 from kdcache.common.signals import SIGNALS, StopFlag
 
 from . import reaper
-from .placement import resolve_workers, worker_options
+from .placement import gpus_per_worker, resolve_workers, worker_options
 from .worker import TeacherWorker, Unit
 
 
@@ -165,7 +165,7 @@ def prestart_workers(cfg):
     with the options settle will give them (--worker-cpus, else 1; --worker-gpus, else 1 where CUDA is visible).
     Each imports what a local teacher needs meanwhile (TeacherWorker without a spec) and loads the teacher once the
     Dispatcher sends the settled spec (load). For a local teacher and a Ray of the job's own."""
-    if cfg.tensor_parallel_size > 1:
+    if gpus_per_worker(cfg) > 1:
         return None                   # its GPUs go to placement groups, made once the job is settled
 
     def prestart(ray):

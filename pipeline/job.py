@@ -177,7 +177,9 @@ def run_job(job: Job, spool, starter=None):
             "chat_template": job.encoder.tok.chat_template if isinstance(job.encoder.tok.chat_template, str) else None,
             "skipped": {}}        # filled in once the scan is over, before the first commit writes it
     if job.teacher_backend == "vllm":
-        meta["vllm_engine"] = {"enforce_eager": cfg.enforce_eager, "tensor_parallel_size": cfg.tensor_parallel_size}
+        meta["vllm_engine"] = {"enforce_eager": cfg.enforce_eager,
+                               "tensor_parallel_size": cfg.tensor_parallel_size,
+                               "pipeline_parallel_size": cfg.pipeline_parallel_size}
     if job.server:
         meta["teacher_server"] = {"url": cfg.teacher, **job.server, "revision": cfg.teacher_revision}
     writer = CacheWriter(cfg.out, storage=job.storage, vocab_size=job.vocab_size, eos_token_ids=job.turn_ends,

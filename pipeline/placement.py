@@ -1,10 +1,12 @@
-"""Where teacher workers run: how many, on which GPUs, and a teacher larger than one GPU (tensor parallel).
+"""Where teacher workers run: how many, on which GPUs, and a teacher larger than one GPU (tensor and pipeline
+parallel).
 
-With --tensor-parallel-size N > 1 (vLLM backend) each worker holds N GPUs of one node as a Ray placement group of N
-one-GPU bundles (STRICT_PACK). The worker actor itself takes no GPU: it sits in the group's first bundle and
-vLLM's own Ray workers, which capture the group, take one GPU each. Everything that can be refused is refused
-before Ray starts (a backend other than vLLM, N that does not divide the attention heads, fewer GPUs than
-workers x N); a cluster named with --ray-address is asked for its GPUs when the job joins it.
+With --tensor-parallel-size T and --pipeline-parallel-size P, N = T x P > 1 (vLLM backend), each worker holds N
+GPUs of one node as a Ray placement group of N one-GPU bundles (STRICT_PACK). The worker actor itself takes no
+GPU: it sits in the group's first bundle and vLLM's own Ray workers, which capture the group, take one GPU each.
+Everything that can be refused is refused before Ray starts (a backend other than vLLM, T that does not divide
+the attention heads, more stages than layers, fewer GPUs than workers x N); a cluster named with --ray-address is
+asked for its GPUs when the job joins it.
 """
 from kdcache.common.errors import ConfigError
 
@@ -20,39 +22,49 @@ def visible_gpus(cfg) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def gpus_per_worker(cfg) -> int:
+    """GPUs one teacher worker holds: tensor parallel x pipeline parallel."""
+    return cfg.tensor_parallel_size * getattr(cfg, "pipeline_parallel_size", 1)
+
+
 def resolve_workers(cfg, gpus=None) -> int:
-    """--workers, else GPUs / --tensor-parallel-size where GPUs are visible (a local teacher), else 1."""
+    """--workers, else GPUs / (TP x PP) where GPUs are visible (a local teacher), else 1."""
     if cfg.workers is not None:
         return cfg.workers
     gpus = visible_gpus(cfg) if gpus is None else gpus
-    return max(1, gpus // cfg.tensor_parallel_size) if gpus else 1
+    return max(1, gpus // gpus_per_worker(cfg)) if gpus else 1
 
 
 def check_tensor_parallel(cfg, backend, model_config, gpus, workers):
-    """Refuse, naming the setting, what cannot run: N > 1 off the vLLM backend, N that does not divide the
-    teacher's attention (or key-value) heads, fewer GPUs than workers x N."""
-    n = cfg.tensor_parallel_size
-    if n == 1:
+    """Refuse, naming the setting, what cannot run: TP or PP > 1 off the vLLM backend, TP that does not divide the
+    teacher's attention (or key-value) heads, more pipeline stages than layers, fewer GPUs than workers x TP x PP."""
+    n, pp = cfg.tensor_parallel_size, getattr(cfg, "pipeline_parallel_size", 1)
+    if n == 1 and pp == 1:
         return
     if backend != "vllm":
-        raise ConfigError(f"tensor_parallel_size: {n} needs --backend vllm (the {backend} backend runs one device "
-                          "per worker)")
+        name, v = ("tensor_parallel_size", n) if n > 1 else ("pipeline_parallel_size", pp)
+        raise ConfigError(f"{name}: {v} needs --backend vllm (the {backend} backend runs one device per worker)")
     conf = getattr(model_config, "text_config", None) or model_config
+    layers = getattr(conf, "num_hidden_layers", None)
+    if layers and pp > layers:
+        raise ConfigError(f"pipeline_parallel_size: {pp} stages for the teacher's {layers} layers")
     for name in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(conf, name, None)
         if heads and heads % n and not (name == "num_key_value_heads" and n % heads == 0):
             raise ConfigError(f"tensor_parallel_size: {n} does not divide the teacher's {name} ({heads})")
-    if workers * n > gpus:
-        raise ConfigError(f"tensor_parallel_size: {workers} worker(s) x {n} GPUs need {workers * n} GPUs; "
-                          f"{gpus} are visible (pass --workers {max(1, gpus // n)} or a smaller "
-                          "--tensor-parallel-size)")
+    each = n * pp
+    if workers * each > gpus:
+        what = f"{n} GPUs" if pp == 1 else f"{n} x {pp} GPUs (tensor x pipeline parallel)"
+        raise ConfigError(f"tensor_parallel_size: {workers} worker(s) x {what} need {workers * each} GPUs; "
+                          f"{gpus} are visible (pass --workers {max(1, gpus // each)} or a smaller "
+                          "--tensor-parallel-size or --pipeline-parallel-size)")
 
 
 def worker_options(ray, cfg, gpus, n):
     """Ray actor options for each of n workers: one GPU (or `gpus`) each, or with tensor parallel a placement
     group of its own, created and placed here. Returns (options per worker, the groups made)."""
     base = dict(num_cpus=cfg.worker_cpus)
-    tp = cfg.tensor_parallel_size
+    tp = gpus_per_worker(cfg)
     if tp == 1:
         return [dict(base, num_gpus=gpus) for _ in range(n)], []
     from ray.util.placement_group import placement_group

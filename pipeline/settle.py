@@ -21,7 +21,7 @@ from kdcache.common.errors import ConfigError, DataError
 from .data import is_cache, open_source_cache
 from .dispatch import own_ray, worker_gpus
 from .encode import MAX_MESSAGES, Encoder, document_end_id, end_of_turn_ids
-from .placement import check_tensor_parallel, resolve_workers, visible_gpus
+from .placement import check_tensor_parallel, gpus_per_worker, resolve_workers, visible_gpus
 from .teacher import choose_backend, is_url
 from .versions import SERVED_MIN, VLLM_MIN, installed_vllm, require
 from .worker import WorkerSpec
@@ -57,8 +57,9 @@ class Job:
             teacher_kwargs=dict(dtype=self.dtype, max_length=cfg.max_length, max_top_k=cfg.top_k, seed=cfg.seed,
                                 trust_remote_code=cfg.trust_remote_code, batch_tokens=cfg.batch_tokens,
                                 threads=threads,
-                                **({} if cfg.tensor_parallel_size == 1 else
-                                   dict(tensor_parallel_size=cfg.tensor_parallel_size)),
+                                **({} if gpus_per_worker(cfg) == 1 else
+                                   dict(tensor_parallel_size=cfg.tensor_parallel_size,
+                                        pipeline_parallel_size=cfg.pipeline_parallel_size)),
                                 **(dict(enforce_eager=True) if cfg.enforce_eager and self.teacher_backend == "vllm"
                                    else {}),
                                 **({} if self.server is None else
@@ -230,11 +231,11 @@ def settle(cfg, t_start) -> Job:
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.teacher, trust_remote_code=cfg.trust_remote_code)
     encoder, ends = _encoder(cfg, tok, server)
     gpus = max(cfg.worker_gpus, 0.0) if server else worker_gpus(cfg)     # a server's GPUs are its own
-    if server is None and (cfg.workers is None or cfg.tensor_parallel_size > 1):
+    if server is None and (cfg.workers is None or gpus_per_worker(cfg) > 1):
         n_gpus = visible_gpus(cfg)
         cfg = replace(cfg, workers=resolve_workers(cfg, n_gpus))
         check_tensor_parallel(cfg, backend, model_config, n_gpus, cfg.workers)
-    elif cfg.tensor_parallel_size > 1:
+    elif gpus_per_worker(cfg) > 1:
         check_tensor_parallel(cfg, backend, model_config, 0, cfg.workers or 1)   # refused: not the vLLM backend
     cfg = replace(cfg, workers=cfg.workers or 1)
     dtype = "server" if server else cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if gpus > 0 else "float32")

@@ -17,7 +17,7 @@ class VLLMTeacher:
 
     def __init__(self, model_path, *, dtype="float32", max_length=2048, max_top_k=64, seed=0,
                  trust_remote_code=False, gpu_memory_utilization=0.85, batch_tokens=8192, tensor_parallel_size=1,
-                 enforce_eager=False, **_):
+                 pipeline_parallel_size=1, enforce_eager=False, **_):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         from vllm import LLM
@@ -25,9 +25,11 @@ class VLLMTeacher:
                        max_logprobs=max_top_k + 1, seed=seed, trust_remote_code=trust_remote_code,
                        gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=False,
                        max_num_batched_tokens=max(batch_tokens, max_length), enable_prefix_caching=False,
-                       # N > 1: vLLM's Ray workers, one per GPU of the placement group this actor sits in
-                       tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-                       **({"distributed_executor_backend": "ray"} if tensor_parallel_size > 1 else {}))
+                       # TP x PP > 1: vLLM's Ray workers, one per GPU of the placement group this actor sits in
+                       tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                       enforce_eager=enforce_eager,
+                       **({"distributed_executor_backend": "ray"}
+                          if tensor_parallel_size * pipeline_parallel_size > 1 else {}))
 
     def score(self, seqs, positions, k):
         """See pipeline.teacher.Teacher.score: one Scored per sequence."""

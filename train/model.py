@@ -52,11 +52,14 @@ class DistillModule(nn.Module):
     positions across accumulation and ranks.
     """
 
-    def __init__(self, model, loss_cfg: LossConfig, chunked=True):
+    def __init__(self, model, loss_cfg: LossConfig, chunked=True, zero3=False):
         """chunked: the fused, chunked head + loss (at most one [chunk, V] block of logits at a time). Where
         lm_head plus the known transform is not what the model's forward returns (heads.check_head, asked once
         here, before DeepSpeed partitions anything), the loss takes the model's own logits instead: [R, T, V]
-        for every token of the micro-batch, in the model's dtype, plus their gradient."""
+        for every token of the micro-batch, in the model's dtype, plus their gradient.
+        zero3: the fused head reads lm_head's weight outside lm_head's forward, where ZeRO-3 holds only this
+        rank's partition of it; registered as this module's external parameter, ZeRO-3 gathers it for this
+        forward (and backward) and partitions its gradient as it does any other."""
         super().__init__()
         self.model, self.loss_cfg = model, loss_cfg
         self.transform = logit_transform(model.config)   # soft-capping, scaling: the model's own logits
@@ -65,6 +68,14 @@ class DistillModule(nn.Module):
             print(f"kdcache: student {type(model).__name__}: {self.own_forward}; training on the model's own "
                   "forward ([R, T, V] logits per micro-batch, not --loss-chunk rows at a time)", flush=True)
         self.chunked = chunked and not self.own_forward
+        if zero3 and self.chunked:
+            import deepspeed
+            head = model.get_output_embeddings()
+            for p in (head.weight, head.bias):
+                if p is not None:
+                    deepspeed.zero.register_external_parameter(self, p)
+        self.path = ("the model's own logits" if self.own_forward else
+                     f"fused head, {loss_cfg.chunk_size} rows at a time" if self.chunked else "dense head logits")
 
     def forward(self, b: Batch):
         # use_cache=False: no KV cache in training, and transformers only detects packed rows without one.

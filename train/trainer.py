@@ -124,8 +124,7 @@ def setup(cfg):
     student_vocab = model.get_input_embeddings().weight.shape[0]      # before ZeRO-3 partitions it
     ds_cfg = deepspeed_config(cfg)
     stage = ds_cfg.get("zero_optimization", {}).get("stage", 0)
-    # ZeRO-3 shards lm_head: use the module call
-    module = DistillModule(model, cfg.loss_config(student_vocab), chunked=stage < 3)
+    module = DistillModule(model, cfg.loss_config(student_vocab), zero3=stage == 3)
     # One step count for every rank: rank shares differ by a sample, and a rank with an extra step would run a
     # schedule of its own and call collectives the others never join. Counted from the micro-batches the
     # stream really yields (under --max-tokens they hold fewer than --batch-size samples).
@@ -226,7 +225,8 @@ def finish(run, reason, resume_cmd):
         atomic_write_bytes(os.path.join(cfg.out, "train_summary.json"),
                            json.dumps({"step": run.step, "reason": reason, "final_model": final,
                                        "damaged_shards_skipped": stream.damaged,
-                                       "samples_untrained": untrained, "outside_vocab": outside}).encode())
+                                       "samples_untrained": untrained, "outside_vocab": outside,
+                                       "loss_path": run.engine.module.path}).encode())
         if outside:
             print(f"{outside} teacher top-k entries named ids the student has no embedding row for (a teacher "
                   "vocabulary padded past the student's); their mass was trained as the tail bucket", flush=True)
@@ -278,8 +278,11 @@ def deepspeed_config(cfg):
     ds.setdefault("zero_allow_untested_optimizer", True)
     ds.setdefault("steps_per_print", 10 ** 9)
     ds.setdefault("wall_clock_breakdown", False)
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        ds.setdefault("bf16", {"enabled": True})        # fp32 on CPU
+    # bf16 by default on a GPU that has it (fp32 master weights; the loss is computed in float32 either way), fp32
+    # on CPU; never beside a config's own fp16 (DeepSpeed refuses both at once).
+    fp16 = bool(ds.get("fp16", {}).get("enabled", False))
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported() and not fp16:
+        ds.setdefault("bf16", {"enabled": True})
     return ds
 
 

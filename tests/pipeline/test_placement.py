@@ -11,8 +11,8 @@ from tests.helpers.cli import precompute, write_jsonl
 
 
 def _cfg(**kw):
-    return SimpleNamespace(**{"tensor_parallel_size": 1, "workers": None, "worker_cpus": 0.25, "ray_address": None,
-                              **kw})
+    return SimpleNamespace(**{"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "workers": None,
+                              "worker_cpus": 0.25, "ray_address": None, **kw})
 
 
 def test_workers_default_to_the_gpus_over_the_tensor_parallel_size():
@@ -33,6 +33,20 @@ def test_what_cannot_run_is_refused_naming_the_setting():
     check_tensor_parallel(_cfg(tensor_parallel_size=4), "vllm", kv1, 4, 1)      # one KV head, replicated
     with pytest.raises(ConfigError, match=r"2 worker\(s\) x 4 GPUs need 8 GPUs; 4 are visible \(pass --workers 1"):
         check_tensor_parallel(_cfg(tensor_parallel_size=4), "vllm", kv1, 4, 2)
+
+
+def test_pipeline_parallel_multiplies_the_gpus_of_a_worker_and_is_checked_against_the_layers():
+    assert resolve_workers(_cfg(tensor_parallel_size=2, pipeline_parallel_size=2), gpus=8) == 2
+    assert placement.gpus_per_worker(_cfg(tensor_parallel_size=2, pipeline_parallel_size=3)) == 6
+    conf = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4)
+    check_tensor_parallel(_cfg(pipeline_parallel_size=4), "vllm", conf, 4, 1)          # a stage per layer
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size: 5 stages for the teacher's 4 layers"):
+        check_tensor_parallel(_cfg(pipeline_parallel_size=5), "vllm", conf, 8, 1)
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size: 2 needs --backend vllm"):
+        check_tensor_parallel(_cfg(pipeline_parallel_size=2), "hf", conf, 8, 1)
+    with pytest.raises(ConfigError, match=r"2 worker\(s\) x 2 x 2 GPUs \(tensor x pipeline parallel\) need 8 GPUs; "
+                                          r"4 are visible \(pass --workers 1"):
+        check_tensor_parallel(_cfg(tensor_parallel_size=2, pipeline_parallel_size=2), "vllm", conf, 4, 2)
 
 
 def test_the_command_refuses_tensor_parallel_off_vllm_before_any_work(tiny, tmp_path):
@@ -83,3 +97,8 @@ def test_each_worker_gets_a_placement_group_of_its_gpus_that_its_children_run_in
         worker_options(ray, cfg, 1.0, 1)
     for g in groups:
         ray.util.remove_placement_group(g)
+    # Tensor x pipeline parallel: one worker's group holds all 2 x 2 GPUs.
+    opts, groups = worker_options(ray, _cfg(tensor_parallel_size=2, pipeline_parallel_size=2), 1.0, 1)
+    assert len(groups) == 1 and len(groups[0].bundle_specs) == 4
+    assert ray.available_resources().get("GPU", 0) == 0
+    ray.util.remove_placement_group(groups[0])

@@ -44,8 +44,8 @@ def test_generate_mode_vllm_matches_hf_greedy(tiny, stopping, tmp_path):
                     "--mode", "generate", "--gen-temperature", 0, "--gen-max-new-tokens", 12, "--max-length", 256,
                     "--backend", "vllm", "--enforce-eager", "--out", tmp_path / "vllm", timeout=600)
     assert vl.returncode == 0, vl.stderr[-3000:]
-    assert open_cache(tmp_path / "vllm").manifest["meta"]["vllm_engine"] == {"enforce_eager": True,
-                                                                             "tensor_parallel_size": 1}
+    assert open_cache(tmp_path / "vllm").manifest["meta"]["vllm_engine"] == {
+        "enforce_eager": True, "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
     recs = list(open_cache(tmp_path / "vllm"))
     assert len(recs) == 6
     hf, ref = hf_reference(stopping["greedy"], recs, 16)

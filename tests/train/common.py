@@ -56,10 +56,11 @@ def reference_run(setup, steps=12):
     return ref_out
 
 
-def two_process_run(setup, out, stage):
+def two_process_run(setup, out, stage, deepspeed=None):
+    """deepspeed: a JSON config for this ZeRO stage (default: --deepspeed STAGE)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(29517 + stage),
            "-m", "kdcache", *train_cmd(setup, out, "--max-steps", 4, "--batch-size", 2, "--save-every", 2,
-                                       "--threads", 1, "--deepspeed", stage, "--no-shuffle")[3:]]
+                                       "--threads", 1, "--deepspeed", deepspeed or stage, "--no-shuffle")[3:]]
     res = run(cmd)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:])
     return losses(out)

@@ -136,7 +136,12 @@ def test_two_ranks_zero0_from_disk_and_zero3_from_s3_agree(setup, tmp_path, buck
     res = precompute("--teacher", setup["dir"] / "teacher", "--data", data, "--out", tmp_path / "cache", "--backend",
                      "hf", "--top-k", 32, "--shard-size", 8)
     assert res.returncode == 0, res.stderr
-    setup = dict(setup, cache=tmp_path / "cache")
+    # An untied head (Llama 3 8B's, Qwen2.5-7B's): under ZeRO-3 its weight is a partition outside its own forward.
+    import shutil
+    shutil.copytree(setup["student"], tmp_path / "student")
+    conf = json.loads((tmp_path / "student" / "config.json").read_text())
+    (tmp_path / "student" / "config.json").write_text(json.dumps(dict(conf, tie_word_embeddings=False)))
+    setup = dict(setup, cache=tmp_path / "cache", student=tmp_path / "student")
     one = run(train_cmd(setup, tmp_path / "one", "--max-steps", 4, "--batch-size", 2, "--save-every", 0,
                         "--threads", 1, "--no-shuffle"))
     assert one.returncode == 0, one.stderr[-3000:]
@@ -155,9 +160,18 @@ def test_two_ranks_zero0_from_disk_and_zero3_from_s3_agree(setup, tmp_path, buck
     # This run's two ranks read the same cache from S3, each on its own, with the same result.
     from tests.helpers.s3server import upload_dir
     remote = dict(setup, cache=upload_dir(setup["cache"], f"{bucket}/cache"))
-    rows3 = two_process_run(remote, tmp_path / "z3", 3)
+    # Every parameter partitioned (ZeRO-3 keeps those under stage3_param_persistence_threshold whole, which is
+    # all of this student's): lm_head's weight is then only a partition outside its own forward.
+    ds3 = tmp_path / "ds3.json"
+    ds3.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                                     "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0,
+                                                     "stage3_prefetch_bucket_size": 0}}))
+    rows3 = two_process_run(remote, tmp_path / "z3", 3, deepspeed=ds3)
     for a, b in zip(rows, rows3):
         assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(a["loss"])), (a, b)
+    # ZeRO-3 keeps the fused, chunked head (the partitioned lm_head gathered for it), not [N, V] dense logits
+    for z in ("z0", "z3"):
+        assert json.load(open(tmp_path / z / "train_summary.json"))["loss_path"].startswith("fused head"), z
     from safetensors.torch import load_file
     w0 = load_file(tmp_path / "z0" / "final" / "model.safetensors")
     w3 = load_file(tmp_path / "z3" / "final" / "model.safetensors")
