@@ -26,6 +26,10 @@ class HFTeacher:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code).to(self.device).eval()
         self.batch_tokens = batch_tokens
+        # Positions scored per log_softmax: ~96 MiB of float32 [rows, V] at a time, so a 32k-token sample at a
+        # 152k vocabulary needs 128 x V floats, not 32k x V (19.5 GB).
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        self.rows = max(16, (96 << 20) // (4 * vocab))
         self.transform = logit_transform(self.model.config)   # soft-capping, scaling: the model's own logits
         # The fused path (decoder, then lm_head on the scored positions only) where it gives the model's own
         # logits; else the model's forward, which builds [B, T, V] logits for every token of the batch.
@@ -50,22 +54,29 @@ class HFTeacher:
             if self.own_forward:
                 full = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits   # (B, T, V)
             else:
-                hidden = decoder_of(self.model)(input_ids=ids, attention_mask=mask).last_hidden_state   # (B, T, H)
+                hidden = decoder_of(self.model)(input_ids=ids, attention_mask=mask,          # no KV cache kept
+                                                use_cache=False).last_hidden_state          # (B, T, H)
             head = self.model.get_output_embeddings()
             for r, i in enumerate(idx):
-                pos = torch.as_tensor(np.array(positions[i], dtype=np.int64), device=self.device)
-                if self.own_forward:
-                    logits = full[r, pos].float()                               # (P, V)
-                else:
-                    logits = head(hidden[r, pos]).float()                       # (P, V)
-                    if self.transform is not None:
-                        logits = self.transform(logits)
-                lp = torch.log_softmax(logits, dim=-1)
-                top_lp, top_ids = lp.topk(k, dim=-1)                           # (P, k), sorted descending
-                targets = torch.as_tensor(np.asarray(seqs[i], dtype=np.int64), device=self.device)[pos + 1]
-                target_lp = lp.gather(1, targets[:, None])[:, 0]
-                out[i] = Scored(top_ids.int().cpu().numpy(), top_lp.cpu().numpy().astype(np.float32),
-                                target_lp.cpu().numpy().astype(np.float32))
+                pos_all = torch.as_tensor(np.array(positions[i], dtype=np.int64), device=self.device)
+                seq = torch.as_tensor(np.asarray(seqs[i], dtype=np.int64), device=self.device)
+                parts = []
+                for lo in range(0, len(pos_all), self.rows):     # at most `rows` x V log-probs at a time
+                    pos = pos_all[lo:lo + self.rows]
+                    if self.own_forward:
+                        logits = full[r, pos].float()                           # (c, V)
+                    else:
+                        logits = head(hidden[r, pos]).float()                   # (c, V)
+                        if self.transform is not None:
+                            logits = self.transform(logits)
+                    lp = torch.log_softmax(logits, dim=-1)
+                    top_lp, top_ids = lp.topk(k, dim=-1)                       # (c, k), sorted descending
+                    target_lp = lp.gather(1, seq[pos + 1][:, None])[:, 0]
+                    parts.append((top_ids.int().cpu().numpy(), top_lp.cpu().numpy().astype(np.float32),
+                                  target_lp.cpu().numpy().astype(np.float32)))
+                if not parts:
+                    parts = [(np.empty((0, k), np.int32), np.empty((0, k), np.float32), np.empty(0, np.float32))]
+                out[i] = Scored(*(np.concatenate(x) for x in zip(*parts)))
         return out
 
     @torch.no_grad()

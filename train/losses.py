@@ -27,12 +27,15 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
-CHUNK_LOGIT_BYTES = 96 * 2**20   # one chunk's [chunk, V] float32 logits, at most (the default chunk's bound)
+# One chunk's [chunk, V] float32 logits, at most (the default chunk's bound). Measured at V = 151,936 on CPU
+# (BENCHMARKS.md): chunks of 128 / 256 / 512 / 1024 positions cost 1.72 / 1.35 / 1.23 / 1.20x an SFT step and
+# 0.078 / 0.124 / 0.217 / 0.401x the dense loss's peak memory; 192 MiB (256 there) keeps memory under 0.15x.
+CHUNK_LOGIT_BYTES = 192 * 2**20
 
 
 def default_chunk(vocab_size: int) -> int:
     """Positions per loss chunk for a vocabulary: the largest power of two whose [chunk, V] float32 logits fit
-    CHUNK_LOGIT_BYTES, within [32, 4096]: 512 at 32,000, 128 at 151,936, 64 at 262,144. Peak loss memory is about
+    CHUNK_LOGIT_BYTES, within [32, 4096]: 1024 at 32,000, 256 at 151,936, 128 at 262,144. Peak loss memory is about
     six chunks of logits (the logits, their softmax and gradients) plus the hidden states (BENCHMARKS.md)."""
     rows = max(1, CHUNK_LOGIT_BYTES // (4 * max(1, int(vocab_size))))
     return int(min(4096, max(32, 2 ** (rows.bit_length() - 1))))

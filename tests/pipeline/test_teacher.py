@@ -38,3 +38,22 @@ def test_a_registered_backend_is_a_valid_config_choice(monkeypatch):
     finally:
         monkeypatch.undo()
         importlib.reload(kdcache.pipeline.config)
+
+
+def test_the_hf_teacher_scores_a_long_sample_a_bounded_block_of_positions_at_a_time(tiny):
+    """A 32k-token sample at a 152k vocabulary would need 19.5 GB of float32 log-probs at once: the hf backend
+    takes `rows` positions per log_softmax (96 MiB of them). Chunked and whole give the same numbers."""
+    import numpy as np
+
+    from kdcache.pipeline.teacher_hf import HFTeacher
+    hf = HFTeacher(tiny["teacher"], dtype="float32")
+    assert hf.rows == (96 << 20) // (4 * 400)                          # ~96 MiB of [rows, V] float32
+    seqs = [np.arange(3, 60) % 300, np.arange(10, 30)]
+    pos = [np.arange(0, 56), np.array([2, 5, 18])]
+    whole = hf.score(seqs, pos, 8)
+    hf.rows = 5                                                       # 12 blocks for the first sample
+    for a, b in zip(whole, hf.score(seqs, pos, 8)):
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+        np.testing.assert_allclose(a.target_logprobs, b.target_logprobs, atol=1e-6)
+    assert whole[0].ids.shape == (56, 8) and whole[1].ids.shape == (3, 8)
