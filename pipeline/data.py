@@ -213,21 +213,25 @@ def iter_cache_rows(path):
     """A cache's samples as id records (their input ids, their trained positions as labels, their truncated flag),
     at their own sample ids; the records the source skipped come out as skips, so both caches line up id for id."""
     cache = open_source_cache(path)
-    nxt = 0
-    for rec in cache:
-        sid = int(rec.sample_id)
-        for i in range(nxt, sid):
-            yield Row(i, f"{path} sample {i}", skip=("source_skipped", "the source cache has no sample here (it "
-                                                     "skipped the record: see its report/skipped.jsonl)"))
-        ids = rec.input_ids.tolist()
-        labels = [IGNORE] * len(ids)
-        for p in rec.positions.tolist():
-            labels[p + 1] = ids[p + 1]
-        yield Row(sid, f"{path} sample {sid}", {"input_ids": ids, "labels": labels, "truncated": bool(rec.truncated)})
-        nxt = sid + 1
-    for i in range(nxt, cache_records(cache)):
-        yield Row(i, f"{path} sample {i}", skip=("source_skipped", "the source cache has no sample here (it skipped "
-                                                 "the record: see its report/skipped.jsonl)"))
+    skip = ("source_skipped", "the source cache has no sample here (it skipped the record: see its "
+                              "report/skipped.jsonl)")
+    try:
+        nxt = 0
+        for rec in cache:
+            sid = int(rec.sample_id)
+            for i in range(nxt, sid):
+                yield Row(i, f"{path} sample {i}", skip=skip)
+            ids = rec.input_ids.tolist()
+            labels = [IGNORE] * len(ids)
+            for p in rec.positions.tolist():
+                labels[p + 1] = ids[p + 1]
+            yield Row(sid, f"{path} sample {sid}", {"input_ids": ids, "labels": labels,
+                                                    "truncated": bool(rec.truncated)})
+            nxt = sid + 1
+        for i in range(nxt, cache_records(cache)):
+            yield Row(i, f"{path} sample {i}", skip=skip)
+    finally:
+        cache.close()              # a URL cache's local shard copies go with it
 
 
 def _need_str(d, key, where_key=None, allow_empty=False):
