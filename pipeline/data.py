@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -70,11 +71,13 @@ def parse_ids(data) -> Example:
     labels = _int_list(data, "labels")
     if len(labels) != len(ids):
         raise BadRow(f"'labels' has {len(labels)} entries and 'input_ids' {len(ids)}: they must be as long")
-    for t, (x, y) in enumerate(zip(ids, labels)):
-        if y != IGNORE and y != x:
-            raise BadRow(f"labels[{t}] = {y} but input_ids[{t}] = {x}: a label is the input id it trains, or "
-                         f"{IGNORE} (kdcache trains the ids it is given, never others)")
-    if all(y == IGNORE for y in labels[1:]):
+    x, y = np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+    wrong = np.nonzero((y != IGNORE) & (y != x))[0]
+    if len(wrong):
+        t = int(wrong[0])
+        raise BadRow(f"labels[{t}] = {labels[t]} but input_ids[{t}] = {ids[t]}: a label is the input id it trains, "
+                     f"or {IGNORE} (kdcache trains the ids it is given, never others)")
+    if (y[1:] == IGNORE).all():
         raise BadRow("every label after the first is -100: nothing to distill")
     return Example("ids", input_ids=ids, labels=labels, truncated=truncated)
 
@@ -221,11 +224,9 @@ def iter_cache_rows(path):
             sid = int(rec.sample_id)
             for i in range(nxt, sid):
                 yield Row(i, f"{path} sample {i}", skip=skip)
-            ids = rec.input_ids.tolist()
-            labels = [IGNORE] * len(ids)
-            for p in rec.positions.tolist():
-                labels[p + 1] = ids[p + 1]
-            yield Row(sid, f"{path} sample {sid}", {"input_ids": ids, "labels": labels,
+            labels = np.full(len(rec.input_ids), IGNORE, dtype=np.int64)
+            labels[rec.positions + 1] = rec.input_ids[rec.positions + 1]
+            yield Row(sid, f"{path} sample {sid}", {"input_ids": rec.input_ids.tolist(), "labels": labels.tolist(),
                                                     "truncated": bool(rec.truncated)})
             nxt = sid + 1
         for i in range(nxt, cache_records(cache)):
