@@ -49,12 +49,10 @@ def stopping(tiny):
             "greedy": stopping_teacher(tiny["tok"], tiny["dir"] / "stop-greedy", 1.0)}
 
 
-@pytest.fixture(scope="session")
-def s3():
-    """A real S3-compatible server (moto) on 127.0.0.1 for the whole session; this process and its children
-    (Ray workers, trainers) reach it through AWS_ENDPOINT_URL. Tests make their own buckets."""
-    from tests.helpers.s3server import S3Server
-    server = S3Server().start()
+def _serving(server):
+    """Start `server` for the session with its variables in this process's environment (its children inherit
+    them); restore the environment and stop it after."""
+    server.start()
     saved = {k: os.environ.get(k) for k in server.env()}
     os.environ.update(server.env())
     yield server
@@ -64,6 +62,14 @@ def s3():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3-compatible server (moto) on 127.0.0.1 for the whole session; this process and its children
+    (Ray workers, trainers) reach it through AWS_ENDPOINT_URL. Tests make their own buckets."""
+    from tests.helpers.s3server import S3Server
+    yield from _serving(S3Server())
 
 
 @pytest.fixture(scope="session")
@@ -71,16 +77,7 @@ def gcs():
     """A GCS-compatible server (gcp-storage-emulator) on 127.0.0.1 for the session, reached by gcsfs through
     STORAGE_EMULATOR_HOST (tests/helpers/gcsserver.py); this process and its children see it."""
     from tests.helpers.gcsserver import GCSServer
-    server = GCSServer().start()
-    saved = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
-    yield server
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    yield from _serving(GCSServer())
 
 
 @pytest.fixture

@@ -12,21 +12,15 @@ takes exactly the one line break before the boundary, as GCS does.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class GCSServer:
     def __init__(self):
+        from tests.helpers.s3server import free_port  # here: run as a script (below), tests is not importable
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc = None
