@@ -217,8 +217,9 @@ def precompute_trials(args, work, teacher, rng, root):
     s3 = root.startswith("s3://")
     local = [k for k in PRECOMPUTE_KINDS if f"precompute:{k}" in args.kinds and k != "served-restart"]
     rows, duration, window = [], None, None
-    if local:
+    if local or any(k.startswith("train:") for k in args.kinds):     # the training trials read this cache
         duration, window = _reference_precompute(args, common, f"{root}/pre-ref")
+    if local:
         plans = _precompute_plans(args, rng, window, s3, local)
         rows += _run_precompute_trials(args, common, f"{root}/pre-ref", root, "pre", plans)
     if "precompute:served-restart" in args.kinds:
@@ -419,6 +420,8 @@ def main():
     ap.add_argument("--seed", type=int, default=None, help="seed of every drawn moment (default: a fresh one, printed)")
     ap.add_argument("--json", default=None, help="also write every trial's row to this file")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--teacher", default=None, help="teacher directory (default: the demo's, trained if missing)")
+    ap.add_argument("--student", default=None, help="student directory for the training trials (default: the demo's)")
     ap.add_argument("--s3", action="store_true", help="precompute into an S3-compatible server (moto) on 127.0.0.1")
     args = ap.parse_args()
     every = [f"precompute:{k}" for k in PRECOMPUTE_KINDS] + [f"train:{k}" for k in TRAIN_KINDS]
@@ -436,8 +439,8 @@ def main():
           flush=True)
     rng = np.random.default_rng(args.seed)
     random.seed(args.seed)
-    teacher = os.path.join(ROOT, "runs", "demo", "teacher")
-    if not os.path.isfile(os.path.join(teacher, "teacher_training.json")):
+    teacher = args.teacher or os.path.join(ROOT, "runs", "demo", "teacher")
+    if not args.teacher and not os.path.isfile(os.path.join(teacher, "teacher_training.json")):
         subprocess.run(kdcache_cmd("demo", "--stage", "teacher"), cwd=ROOT, check=True)
     work = tempfile.mkdtemp(prefix="kdchaos-")
     server = None
@@ -459,8 +462,8 @@ def main():
                   f"{r['lost']:>6}{r['duplicated']:>5}{r['different']:>6}{r['orphans']:>8}")
         trows = []
         if any(k.startswith("train:") for k in args.kinds):
-            init = os.path.join(ROOT, "runs", "demo", "student_init")
-            if not os.path.isfile(os.path.join(init, "config.json")):
+            init = args.student or os.path.join(ROOT, "runs", "demo", "student_init")
+            if not args.student and not os.path.isfile(os.path.join(init, "config.json")):
                 from kdcache.demo.run import FULL, student_config
                 student_config(os.path.join(ROOT, "runs", "demo"), teacher, FULL)
             trows = train_trials(args, work, f"{root}/pre-ref", init, rng)
