@@ -58,7 +58,14 @@ def kdcache(*args, timeout=120, env=None):
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def precompute(*args, timeout=300, extra_env=None):
-    """`kdcache precompute` on a local Ray of its own (never a cluster named in the environment)."""
+def precompute(*args, timeout=300, extra_env=None, shared_ray=False):
+    """`kdcache precompute` on a local Ray of its own (never a cluster named in the environment), or with
+    shared_ray on this test process's own cluster (tests/helpers/raycluster.py: for jobs whose workers need no
+    variable of the job's environment)."""
     env = user_env(RAY_ADDRESS="", **(extra_env or {}))
+    if shared_ray:
+        from tests.helpers.raycluster import ENV, shared_head
+        assert not extra_env, "a shared cluster's workers do not see the job's environment"
+        env.update(ENV)
+        args = (*args, "--ray-address", shared_head().address)
     return kdcache("precompute", "--no-progress", "--worker-cpus", "0.5", *args, timeout=timeout, env=env)

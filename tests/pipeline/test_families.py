@@ -85,7 +85,7 @@ def test_precompute_keeps_every_chat_the_template_allows(tokenizers, family, tmp
     allowed = [{"messages": c["messages"]} for c in CHATS if not expected_refusal(family, c["messages"])]
     data = write_jsonl(tmp_path / "d.jsonl", allowed)
     res = precompute("--teacher", teacher, "--data", data, "--out", tmp_path / "c", "--backend", "hf",
-                     "--top-k", 8, "--shard-size", 4)
+                     "--top-k", 8, "--shard-size", 4, shared_ray=True)
     assert res.returncode == 0, res.stderr[-3000:]
     cache = open_cache(tmp_path / "c")
     assert cache.complete and len(cache) == len(allowed) and cache.manifest["meta"]["skipped"] == {}

@@ -115,13 +115,13 @@ def test_ids_records_cache_as_their_chats_and_a_cache_as_data_is_rescored_id_for
     data = write_jsonl(tmp_path / "chats.jsonl", chats[:2] + [{"messages": "bad"}] + chats[2:])
     common = ["--top-k", 8, "--backend", "hf", "--shard-size", 4, "--logprob-dtype", "float32"]
     res = precompute("--teacher", tiny["teacher"], "--data", data, "--out", tmp_path / "src", "--on-bad-record",
-                     "skip", "--max-length", 100, *common)     # a chat cut (a truncated flag to carry), one left empty
+                     "skip", "--max-length", 100, *common, shared_ray=True)  # a chat cut (a truncated flag), one empty
     assert res.returncode == 0, res.stderr[-3000:]
     tok = tiny["tok"]
     rows = [chat_as_ids(tok, r)[0] for r in chats]
     rows.insert(2, {"input_ids": [1, 2, 4000], "labels": [IGN, 2, 4000]})
     res = precompute("--teacher", tiny["teacher"], "--data", write_jsonl(tmp_path / "ids.jsonl", rows), "--out",
-                     tmp_path / "ids", "--on-bad-record", "skip", "--max-length", 100, *common)
+                     tmp_path / "ids", "--on-bad-record", "skip", "--max-length", 100, *common, shared_ray=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "came as token ids" in res.stdout and "ids: 4" in res.stdout
     assert verify_cache(tmp_path / "ids").ok
@@ -138,7 +138,8 @@ def test_ids_records_cache_as_their_chats_and_a_cache_as_data_is_rescored_id_for
     summary = json.load(open(tmp_path / "ids" / "report" / "summary.json"))
     assert summary["inputs"] == {"ids": 4} and summary["skipped"] == {"bad_record": 1, "no_targets": 1}
     # 2. the cache as data
-    res = precompute("--teacher", stopping["greedy"], "--data", tmp_path / "src", "--out", tmp_path / "re", *common)
+    res = precompute("--teacher", stopping["greedy"], "--data", tmp_path / "src", "--out", tmp_path / "re", *common,
+                     shared_ray=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert verify_cache(tmp_path / "re").ok
     src, re_ = list(open_cache(tmp_path / "src")), list(open_cache(tmp_path / "re"))
@@ -157,13 +158,14 @@ def test_ids_records_cache_as_their_chats_and_a_cache_as_data_is_rescored_id_for
     assert summary["skipped"] == {"source_skipped": 2} and summary["inputs"] == {"ids": 4}
     assert summary["records"] == 6
     # Rescoring it again is the same job (reading a cache stamps it, which must not change the fingerprint).
-    again = precompute("--teacher", stopping["greedy"], "--data", tmp_path / "src", "--out", tmp_path / "re", *common)
+    again = precompute("--teacher", stopping["greedy"], "--data", tmp_path / "src", "--out", tmp_path / "re", *common,
+                       shared_ray=True)
     assert again.returncode == 0 and "nothing to do" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
     # Ids made with another tokenizer (same size, other merges) are refused before any work, the difference named.
     other = train_tokenizer(list(corpus(make_splits(30, 0, seed=9)[0]))[::-1], str(tmp_path / "tok2"), vocab_size=400)
     assert other.get_vocab() != tiny["tok"].get_vocab()
     res = precompute("--teacher", stopping["greedy"], "--tokenizer", tmp_path / "tok2", "--data", tmp_path / "src",
-                     "--out", tmp_path / "refused", *common)
+                     "--out", tmp_path / "refused", *common, shared_ray=True)
     assert res.returncode == 2, res.stderr[-3000:]
     assert f"dataset {tmp_path / 'src'}: its token ids were made with another tokenizer" in res.stderr
     assert "vocabulary" in res.stderr and not (tmp_path / "refused").exists()

@@ -13,6 +13,7 @@ import torch
 from kdcache.cache_format import open_cache, verify_cache
 from tests.helpers.chats import MULTI
 from tests.helpers.cli import precompute, user_env, user_project, write_jsonl
+from tests.helpers.raycluster import shared_head
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -83,7 +84,7 @@ def test_rerun_is_a_noop_that_says_so(mixed):
 def test_different_settings_into_same_directory_refused(mixed):
     args = list(mixed["args"])
     args[args.index("--top-k") + 1] = 8
-    res = precompute(*args, "--max-length", 256)
+    res = precompute(*args, "--max-length", 256, shared_ray=True)
     assert res.returncode == 2
     # The first run's max_length was the default: the teacher's context of 512 tokens.
     assert "format.top_k: 16 -> 8" in res.stderr and "capture.max_length: 512 -> 256" in res.stderr
@@ -93,7 +94,7 @@ def test_bad_record_fails_by_default_naming_file_and_line(mixed, tmp_path):
     args = list(mixed["args"])
     args[args.index("--out") + 1] = tmp_path / "c"
     args = args[:args.index("--on-bad-record")]
-    res = precompute(*args)
+    res = precompute(*args, shared_ray=True)
     assert res.returncode == 2 and "data.jsonl:4: invalid JSON" in res.stderr
     assert not (tmp_path / "c").exists()                      # failed before any teacher work
 
@@ -121,7 +122,7 @@ def test_kill9_then_resume_equals_uninterrupted(tiny, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:60])
     common = ["--teacher", tiny["teacher"], "--data", data, "--backend", "hf", "--top-k", 8, "--shard-size", 2,
               "--format", "zarr", "--workers", 1, "--logprob-dtype", "sqrt8", "--top-p", 0.01]
-    ref = precompute(*common, "--out", tmp_path / "ref")
+    ref = precompute(*common, "--out", tmp_path / "ref", shared_ray=True)
     assert ref.returncode == 0, ref.stderr
 
     out = tmp_path / "killed"
@@ -175,7 +176,7 @@ def test_generate_mode_stores_teacher_completions(tiny, stopping, tmp_path):
     common = ["--teacher", stopping["sampled"], "--data", data, "--backend", "hf", "--mode", "generate",
               "--gen-max-new-tokens", 12, "--top-k", 8, "--logprob-dtype", "float32"]
     for out, extra in (("g", ["--shard-size", 4]), ("top", ["--gen-top-p", 1e-6, "--shard-size", 3])):
-        res = precompute(*common, "--out", tmp_path / out, *extra)
+        res = precompute(*common, "--out", tmp_path / out, *extra, shared_ray=True)
         assert res.returncode == 0, res.stderr
         assert verify_cache(tmp_path / out).ok
     eos, ended = tok.eos_token_id, []
@@ -206,71 +207,25 @@ def test_generate_mode_stores_teacher_completions(tiny, stopping, tmp_path):
         assert rec.input_ids.tolist() == greedy.tolist()
 
 
-def test_existing_ray_cluster_same_code_path(mixed, tmp_path, monkeypatch):
-    """--ray-address: a Ray head started separately on 127.0.0.1 gives the same cache as a job-local Ray."""
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    port = 6391
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")      # a throwaway cluster on loopback: no token to share
-    env = dict(os.environ, RAY_ADDRESS="")
-    # `ray start --block` in a session of its own: stopping it stops this cluster only (`ray stop` would stop
-    # every Ray on the machine, including those of tests running beside this one).
-    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-                             "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
-                             f"--ray-client-server-port={free_port()}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    wait_for_port(port, head)
-    try:
-        args = list(mixed["args"])
-        args[args.index("--out") + 1] = tmp_path / "c"
-        res = precompute(*args, "--ray-address", f"127.0.0.1:{port}")
-        assert res.returncode == 0, res.stderr[-3000:]
-        # Without --ray-address the job starts its own Ray, even with that cluster running here.
-        args[args.index("--out") + 1] = tmp_path / "own"
-        own = precompute(*args)
-        assert own.returncode == 0, own.stderr[-3000:]
-    finally:
-        stop_group(head)
-    # The job joined that head (a flag ignored would have run on a private Ray), and the other did not.
+def test_existing_ray_cluster_same_code_path(mixed, tmp_path):
+    """--ray-address: a Ray head started separately on 127.0.0.1 (this process's shared one) gives the same cache as
+    a job-local Ray (the module's cache)."""
+    head = shared_head()
+    args = list(mixed["args"])
+    args[args.index("--out") + 1] = tmp_path / "c"
+    res = precompute(*args, shared_ray=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    # The job joined that head (a flag ignored would have run on a private Ray); the module's job, without
+    # --ray-address, started its own Ray, though this cluster may have been running already.
     joined = json.loads((tmp_path / "c" / "report" / "summary.json").read_text())["ray"]
-    private = json.loads((tmp_path / "own" / "report" / "summary.json").read_text())["ray"]
-    assert joined["gcs_address"].endswith(f":{port}") and joined["own"] is False, joined    # the head's GCS port
-    assert private["own"] is True and not private["gcs_address"].endswith(f":{port}"), private
-    a = open_cache(mixed["out"])
-    for other in (tmp_path / "c", tmp_path / "own"):
-        b = open_cache(other)
-        assert len(a) == len(b)
-        for ra, rb in zip(a, b):
-            for f in ("sample_id", "input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass"):
-                np.testing.assert_array_equal(getattr(ra, f), getattr(rb, f))
-
-
-def free_port():
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for_port(port, proc, timeout=120):
-    import socket
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, proc.stderr.read()[-2000:]
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"nothing listens on {port} after {timeout} s")
-
-
-def stop_group(proc):
-    """SIGKILL to the process's session, its children included (a throwaway cluster: nothing to save)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=60)
+    private = json.loads((mixed["out"] / "report" / "summary.json").read_text())["ray"]
+    assert joined["gcs_address"].endswith(f":{head.port}") and joined["own"] is False, joined
+    assert private["own"] is True and not private["gcs_address"].endswith(f":{head.port}"), private
+    a, b = open_cache(mixed["out"]), open_cache(tmp_path / "c")
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        for f in ("sample_id", "input_ids", "positions", "topk_ids", "topk_logprobs", "tail_mass"):
+            np.testing.assert_array_equal(getattr(ra, f), getattr(rb, f))
 
 
 @pytest.mark.parametrize("point", ["before-replace-manifest.json@3", "before-publish@2"])
@@ -327,8 +282,8 @@ def test_a_signal_to_the_whole_process_group_stops_cleanly_and_the_rerun_resumes
     """A batch scheduler signals the driver and Ray's processes at once (SIGHUP, a closed terminal, takes the
     same path: make chaos runs both)."""
     sig = signal.SIGTERM
-    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"] * 3)                  # 360 records, 60 shards
-    common = ["--teacher", tiny["teacher"], "--data", data, "--backend", "hf", "--top-k", 16, "--shard-size", 6]
+    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"])                      # 120 records, 60 shards
+    common = ["--teacher", tiny["teacher"], "--data", data, "--backend", "hf", "--top-k", 16, "--shard-size", 2]
     out = tmp_path / "c"
     env = user_env(RAY_ADDRESS="")
     proc = subprocess.Popen([sys.executable, "-m", "kdcache", "precompute", "--no-progress", "--worker-cpus", "0.5",
@@ -354,7 +309,7 @@ def test_a_signal_to_the_whole_process_group_stops_cleanly_and_the_rerun_resumes
     assert verify_cache(out).ok
     res = precompute(*common, "--out", out)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resuming" in res.stdout and [r.sample_id for r in open_cache(out)] == list(range(360))
+    assert "resuming" in res.stdout and [r.sample_id for r in open_cache(out)] == list(range(120))
 
 
 def test_overlong_drop_and_max_messages_through_the_command_are_counted_and_listed(tiny, tmp_path):
@@ -365,7 +320,7 @@ def test_overlong_drop_and_max_messages_through_the_command_are_counted_and_list
     rows = [tiny["train"][0], long, chatty, tiny["train"][1]]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     res = precompute("--teacher", tiny["teacher"], "--data", data, "--out", tmp_path / "c", "--backend", "hf",
-                     "--top-k", 4, "--max-length", 256, "--overlong", "drop", "--max-messages", 4)
+                     "--top-k", 4, "--max-length", 256, "--overlong", "drop", "--max-messages", 4, shared_ray=True)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads((tmp_path / "c" / "report" / "summary.json").read_text())
     assert summary["skipped"] == {"too_long": 1, "too_many_messages": 1} and summary["samples_written"] == 2

@@ -343,7 +343,7 @@ def served_args(s, out, *extra, url=None):
 def served_cache(served):
     """The served teacher's cache of the module's dataset, uninterrupted, backend left to auto."""
     out = served.dir / "served"
-    res = precompute(*served_args(served, out), timeout=600)
+    res = precompute(*served_args(served, out), timeout=600, shared_ray=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "teacher backend: served (auto: the teacher is a URL" in res.stdout
     return out
@@ -389,7 +389,8 @@ def test_generate_mode_served_matches_hf_greedy(served, tiny, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:6])
     res = precompute("--teacher", served.server.url, "--tokenizer", served.tok, "--data", data, "--top-k", 16,
                      "--logprob-dtype", "float32", "--mode", "generate", "--gen-temperature", 0,
-                     "--gen-max-new-tokens", 12, "--max-length", 256, "--out", tmp_path / "gen", timeout=600)
+                     "--gen-max-new-tokens", 12, "--max-length", 256, "--out", tmp_path / "gen", timeout=600,
+                     shared_ray=True)
     assert res.returncode == 0, res.stderr[-3000:]
     cache = open_cache(tmp_path / "gen")
     recs, eos = list(cache), set(cache.eos_token_ids)
@@ -409,7 +410,7 @@ def test_generate_mode_served_matches_hf_greedy(served, tiny, tmp_path):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_top_k_above_the_servers_max_logprobs_is_refused_before_any_work(served, tmp_path):
-    res = precompute(*served_args(served, tmp_path / "c"), "--top-k", K + 1, timeout=300)
+    res = precompute(*served_args(served, tmp_path / "c"), "--top-k", K + 1, timeout=300, shared_ray=True)
     assert res.returncode == 2, res.stderr[-2000:]
     assert f"top_k: {K + 1} is refused by the teacher server" in res.stderr
     assert f"--max-logprobs {K + 1}" in res.stderr and "greater than max allowed" in res.stderr

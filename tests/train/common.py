@@ -21,7 +21,7 @@ def make_setup(tiny, tmp_path_factory):
     save(teacher, tiny["tok"], str(d / "teacher"))
     data = write_jsonl(d / "d.jsonl", tiny["train"][:48])
     res = precompute("--teacher", d / "teacher", "--data", data, "--out", d / "cache", "--backend", "hf",
-                     "--top-k", 32, "--shard-size", 8)
+                     "--top-k", 32, "--shard-size", 8, shared_ray=True)
     assert res.returncode == 0, res.stderr
     student = make_model(tiny["tok"], "test", seed=5)
     student.config.save_pretrained(str(d / "student"))

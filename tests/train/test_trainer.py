@@ -134,7 +134,7 @@ def test_two_ranks_zero0_from_disk_and_zero3_from_s3_agree(setup, tmp_path, buck
     would change them), with twice its positions."""
     data = write_jsonl(tmp_path / "d.jsonl", setup["records"][:8] * 2)
     res = precompute("--teacher", setup["dir"] / "teacher", "--data", data, "--out", tmp_path / "cache", "--backend",
-                     "hf", "--top-k", 32, "--shard-size", 8)
+                     "hf", "--top-k", 32, "--shard-size", 8, shared_ray=True)
     assert res.returncode == 0, res.stderr
     # An untied head (Llama 3 8B's, Qwen2.5-7B's): under ZeRO-3 its weight is a partition outside its own forward.
     import shutil
@@ -296,7 +296,7 @@ def test_multi_turn_and_truncated_samples_train_packed(setup, tmp_path):
     rows = [MULTI, long, short, MULTI, long, short]             # 78, 123 and 12 tokens
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     res = precompute("--teacher", setup["dir"] / "teacher", "--data", data, "--out", tmp_path / "cache",
-                     "--backend", "hf", "--top-k", 8, "--max-length", 100)
+                     "--backend", "hf", "--top-k", 8, "--max-length", 100, shared_ray=True)
     assert res.returncode == 0, res.stderr
     cache = open_cache(tmp_path / "cache")
     recs = list(cache)
@@ -327,7 +327,7 @@ def test_a_padded_teachers_ids_the_student_lacks_are_counted(setup, tiny, tmp_pa
     save(teacher, tok, str(tmp_path / "teacher"))
     data = write_jsonl(tmp_path / "d.jsonl", setup["records"][:8])
     res = precompute("--teacher", tmp_path / "teacher", "--data", data, "--out", tmp_path / "cache", "--backend",
-                     "hf", "--top-k", 32)
+                     "hf", "--top-k", 32, shared_ray=True)
     assert res.returncode == 0, res.stderr
     outside = sum(int((r.topk_ids >= n).sum()) for r in open_cache(tmp_path / "cache"))
     assert outside > 0

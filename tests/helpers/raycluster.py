@@ -1,0 +1,73 @@
+"""A Ray cluster of this test process's own: `ray start --head` on 127.0.0.1, in a session of its own.
+
+Jobs that are not about Ray's own start, stop or signals (reference runs, fixtures' caches) join it with
+`--ray-address` (tests/helpers/cli.py `precompute(..., shared_ray=True)`): a job that starts its own Ray spends
+5-9 s of its 13-28 s here on Ray's start and stop. Such a job's workers get the cluster's environment, not the
+job's, so a test whose workers need a variable set (crash points, spools, credentials) keeps its own Ray.
+"""
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from tests.helpers.s3server import free_port
+
+ENV = {"RAY_AUTH_MODE": "disabled"}          # a throwaway cluster on loopback: no token to share
+
+
+class RayHead:
+    def __init__(self, num_cpus=2):
+        self.port, self.num_cpus, self.proc = free_port(), num_cpus, None
+
+    @property
+    def address(self):
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout=120):
+        ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+        ports = {flag: free_port() for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port",
+                                                 "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+                                                 "--metrics-export-port")}
+        env = dict(os.environ, RAY_ADDRESS="", **ENV)
+        # `ray start --block` in a session of its own: stopping it stops this cluster only (`ray stop` would stop
+        # every Ray on the machine, including those of tests running beside this one).
+        self.proc = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={self.port}",
+                                      "--node-ip-address=127.0.0.1", f"--num-cpus={self.num_cpus}",
+                                      "--include-dashboard=false", "--disable-usage-stats",
+                                      *[f"{k}={v}" for k, v in ports.items()]],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                     start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.proc.stderr.read()[-2000:]
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return self
+            time.sleep(0.2)
+        self.stop()
+        raise AssertionError(f"the Ray head did not listen on {self.port} after {timeout} s")
+
+    def stop(self):
+        """SIGKILL to the head's session, its children included (a throwaway cluster: nothing to save)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=60)
+        self.proc = None
+
+
+_SHARED = []
+
+
+def shared_head():
+    """This process's shared head, started on first use and stopped at exit."""
+    if not _SHARED:
+        _SHARED.append(RayHead().start())
+        atexit.register(_SHARED[0].stop)
+    return _SHARED[0]
