@@ -36,7 +36,8 @@ def test_vllm_at_a_151936_vocabulary_and_k128_equals_transformers_on_every_recor
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     # No --max-length: the default comes from the teacher's context (512 here), which vLLM accepts.
     res = precompute("--teacher", tmp_path / "teacher", "--data", data, "--out", tmp_path / "cache", "--backend",
-                     "vllm", "--top-k", 128, "--logprob-dtype", "float32", "--shard-size", 4, timeout=600)
+                     "vllm", "--top-k", 128, "--logprob-dtype", "float32", "--shard-size", 4, timeout=600,
+                     shared_ray=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert verify_cache(tmp_path / "cache").ok
     cache = open_cache(tmp_path / "cache")
