@@ -152,12 +152,22 @@ def start_workers(cfg, ray, spec, gpus, n, remote_out):
     """(n teacher actors, created now, each loading the teacher in its constructor (wait on its ready()); the
     placement groups made for them, one each with --tensor-parallel-size (pipeline/placement.py), else none)."""
     each, groups = worker_options(ray, cfg, gpus, n)
-    if cfg.ray_address and remote_out and cfg.ray_pass_credentials:
-        # Only when asked: a runtime_env is visible to everyone who can use the cluster. By default the
-        # workers on other machines use the credentials those machines have (instance roles, profiles).
-        creds = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_", "FSSPEC_"))}
-        each = [dict(o, runtime_env={"env_vars": creds}) for o in each]
+    env = cluster_env(cfg, remote_out)
+    if env:
+        each = [dict(o, runtime_env={"env_vars": env}) for o in each]
     return [ray.remote(TeacherWorker).options(**o).remote(spec) for o in each], groups
+
+
+def cluster_env(cfg, remote_out) -> dict:
+    """What a job's workers on a cluster get from the job's environment (a Ray of the job's own passes them all).
+    Its KDCACHE_* settings (served retries and timeouts, spool, fetch budget, lease): set for the job, they
+    hold for its workers wherever they run. With --ray-pass-credentials and a URL --out, its credentials too;
+    only when asked, as a runtime_env is visible to everyone who can use the cluster (by default the workers on
+    other machines use the credentials those machines have: instance roles, profiles)."""
+    if own_ray(cfg.ray_address):
+        return {}
+    prefixes = ("KDCACHE_",) + (("AWS_", "GOOGLE_", "FSSPEC_") if remote_out and cfg.ray_pass_credentials else ())
+    return {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
 
 
 def prestart_workers(cfg):

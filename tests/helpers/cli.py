@@ -60,12 +60,16 @@ def kdcache(*args, timeout=120, env=None):
 
 def precompute(*args, timeout=300, extra_env=None, shared_ray=False):
     """`kdcache precompute` on a local Ray of its own (never a cluster named in the environment), or with
-    shared_ray on this test process's own cluster (tests/helpers/raycluster.py: for jobs whose workers need no
-    variable of the job's environment)."""
+    shared_ray on this test process's own cluster (tests/helpers/raycluster.py: for jobs that are not about Ray's
+    own start and stop)."""
     env = user_env(RAY_ADDRESS="", **(extra_env or {}))
     if shared_ray:
-        from tests.helpers.raycluster import ENV, shared_head
-        assert not extra_env, "a shared cluster's workers do not see the job's environment"
-        env.update(ENV)
-        args = (*args, "--ray-address", shared_head().address)
+        args, env = on_shared_ray(args, env)
     return kdcache("precompute", "--no-progress", "--worker-cpus", "0.5", *args, timeout=timeout, env=env)
+
+
+def on_shared_ray(args, env):
+    """(args, env) of a precompute that joins this test process's Ray head. Its workers get the job's KDCACHE_*
+    variables (pipeline.dispatch.cluster_env), not the rest of its environment."""
+    from tests.helpers.raycluster import ENV, shared_head
+    return (*args, "--ray-address", shared_head().address), dict(env, **ENV)

@@ -2,8 +2,8 @@
 
 Jobs that are not about Ray's own start, stop or signals (reference runs, fixtures' caches) join it with
 `--ray-address` (tests/helpers/cli.py `precompute(..., shared_ray=True)`): a job that starts its own Ray spends
-5-9 s of its 13-28 s here on Ray's start and stop. Such a job's workers get the cluster's environment, not the
-job's, so a test whose workers need a variable set (crash points, spools, credentials) keeps its own Ray.
+5-9 s of its 13-28 s here on Ray's start and stop. Such a job's workers get the job's KDCACHE_* variables (crash
+points, retries, spools: pipeline.dispatch.cluster_env), and the rest of the cluster's environment.
 """
 import atexit
 import os
@@ -31,7 +31,10 @@ class RayHead:
         ports = {flag: free_port() for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port",
                                                  "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
                                                  "--metrics-export-port")}
-        env = dict(os.environ, RAY_ADDRESS="", **ENV)
+        # Started clean of KDCACHE_* (a test's crash point set when the head starts must not reach every later
+        # job's workers): each job passes its own to its workers.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KDCACHE_")}
+        env.update(RAY_ADDRESS="", **ENV)
         # `ray start --block` in a session of its own: stopping it stops this cluster only (`ray stop` would stop
         # every Ray on the machine, including those of tests running beside this one).
         self.proc = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={self.port}",

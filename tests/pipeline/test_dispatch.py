@@ -68,6 +68,21 @@ def test_credentials_reach_a_clusters_runtime_env_only_when_asked(monkeypatch, p
     assert (env.get("AWS_SECRET_ACCESS_KEY") == "s3cr3t") is passed
 
 
+@pytest.mark.parametrize("address", [None, "10.0.0.1:6379"])
+def test_the_jobs_kdcache_settings_reach_its_workers_on_a_cluster(monkeypatch, address):
+    """KDCACHE_SERVED_RETRY_S and the like, set for a job that joins a cluster, hold for its workers there (a Ray of
+    the job's own passes its whole environment); credentials still only when asked."""
+    from kdcache.pipeline.dispatch import start_workers
+    monkeypatch.setenv("KDCACHE_SERVED_RETRY_S", "7")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = SimpleNamespace(worker_cpus=0.5, ray_address=address, ray_pass_credentials=False, tensor_parallel_size=1)
+    ray = RecordingRay()
+    start_workers(cfg, ray, spec=None, gpus=0, n=1, remote_out=True)
+    env = ray.opts.get("runtime_env", {}).get("env_vars", {})
+    assert env == ({"KDCACHE_SERVED_RETRY_S": "7"} if address else {}), env
+
+
 class FakeRef:
     def __init__(self, value):
         self.value = value

@@ -236,7 +236,7 @@ def test_crash_at_commit_points_then_resume_equals_uninterrupted(mixed, tmp_path
     args = list(mixed["args"])
     args[args.index("--out") + 1] = tmp_path / "c"
     monkeypatch.setenv("KDCACHE_CRASH_AT", point)
-    first = precompute(*args)
+    first = precompute(*args, shared_ray=True)
     monkeypatch.delenv("KDCACHE_CRASH_AT")
     # The fault landed: the first run died there and left a cache of 3 planned shards with only those before it
     # committed (the 3rd manifest write is the 2nd shard's commit; the 2nd shard rename is the 2nd shard's).
@@ -247,10 +247,10 @@ def test_crash_at_commit_points_then_resume_equals_uninterrupted(mixed, tmp_path
     if point.startswith("before-replace"):
         other = list(args)
         other[other.index("--shard-size") + 1] = 5
-        res = precompute(*other)
+        res = precompute(*other, shared_ray=True)
         assert res.returncode == 2 and "Resume with --shard-size 3" in res.stderr, res.stderr[-2000:]
         assert json.loads((tmp_path / "c" / "manifest.json").read_text()) == m       # the refusal wrote nothing
-    res = precompute(*args)
+    res = precompute(*args, shared_ray=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming, 1 of 3 shards already committed" in res.stdout
     a, b = open_cache(mixed["out"]), open_cache(tmp_path / "c")
@@ -264,14 +264,14 @@ def test_disk_full_in_a_worker_is_a_clear_error_and_loses_nothing(mixed, tmp_pat
     args = list(mixed["args"])
     args[args.index("--out") + 1] = tmp_path / "c"
     monkeypatch.setenv("KDCACHE_ENOSPC_AT", "before-publish@2")
-    first = precompute(*args)
+    first = precompute(*args, shared_ray=True)
     assert first.returncode == 2, first.stderr[-2000:]
     assert "No space left on device" in first.stderr and "shard" in first.stderr and "Traceback" not in first.stderr
     monkeypatch.delenv("KDCACHE_ENOSPC_AT")
     assert verify_cache(tmp_path / "c").ok
     temps = [p for p in os.listdir(tmp_path / "c" / "shards") if p.startswith(".")]
     assert not [p for p in temps if p.startswith(".shard-00001")]     # the failed write left no temp file
-    res = precompute(*args)
+    res = precompute(*args, shared_ray=True)
     assert res.returncode == 0, res.stderr[-3000:]
     # a shard in flight when the job stopped may leave one; the resumed job sweeps it away
     assert not [p for p in os.listdir(tmp_path / "c" / "shards") if p.startswith(".")]

@@ -25,7 +25,7 @@ from kdcache.pipeline.teacher_served import (
     parse_step_logprobs,
 )
 from tests.helpers.chats import MULTI
-from tests.helpers.cli import precompute, user_env, user_project, write_jsonl
+from tests.helpers.cli import on_shared_ray, precompute, user_env, user_project, write_jsonl
 
 TOL = 2e-4        # as tests/pipeline/test_vllm.py: vLLM and transformers agree to ~5e-5 in float32
 K = 64            # the server is started with --max-logprobs K
@@ -464,9 +464,10 @@ def test_server_outages_mid_job_long_resumed_short_ridden_out_lose_nothing(serve
     from tests.helpers.proxy import CuttableProxy
     proxy = CuttableProxy(served.server.port).start()
     out = tmp_path / "cut"
-    args = served_args(served, out, "--requests-in-flight", 1, url=proxy.url())
+    # On the test process's Ray head: the job's KDCACHE_SERVED_RETRY_S must reach its workers there.
+    args, env = on_shared_ray(served_args(served, out, "--requests-in-flight", 1, url=proxy.url()),
+                              user_env(RAY_ADDRESS="", KDCACHE_SERVED_RETRY_S="6"))
     cmd = [sys.executable, "-m", "kdcache", "precompute", "--no-progress", "--worker-cpus", "0.5", *map(str, args)]
-    env = user_env(RAY_ADDRESS="", KDCACHE_SERVED_RETRY_S="6")
 
     def job(outage_s):
         """Run cmd; once a shard more than at its start is committed, cut the proxy for outage_s (None: for good)."""
