@@ -32,13 +32,15 @@ COLUMNS = (("input_ids", np.int32, "token_offsets"), ("positions", np.int32, "po
            ("topk_counts", np.uint16, "position_offsets"), ("tail_mass", np.float32, "position_offsets"),
            ("target_logprobs", np.float32, "position_offsets"), ("topk_ids", None, "entry_offsets"),
            ("topk_values", None, "entry_offsets"))
+OPTIONAL = (("behavior_logprobs", np.float32, "position_offsets"),)    # last, where the records carry it
 
 
-def schema(top_k, logprob_dtype, id_dtype):
+def schema(top_k, logprob_dtype, id_dtype, optional=()):
     shard = {"topk_ids": np.dtype(id_dtype), "topk_values": np.dtype(VALUE_DTYPES[logprob_dtype])}
     return pa.schema(
         [("sample_id", pa.int64()), ("truncated", pa.bool_())] +
-        [(name, pa.list_(ARROW_TYPES[np.dtype(dt or shard[name])])) for name, dt, _ in COLUMNS],
+        [(name, pa.list_(ARROW_TYPES[np.dtype(dt or shard[name])]))
+         for name, dt, _ in COLUMNS + tuple(c for c in OPTIONAL if c[0] in optional)],
         metadata={"kdcache.format_version": str(FORMAT_VERSION), "kdcache.top_k": str(top_k),
                   "kdcache.rows_per_batch": str(ROWS_PER_BATCH), "kdcache.logprob_dtype": logprob_dtype})
 
@@ -52,9 +54,12 @@ def _batch(cols: layout.Columns, sch):
         raise ShardError(f"{ROWS_PER_BATCH} samples hold {int(entry[-1]):,} top-k entries, more than an Arrow list "
                          f"column's int32 offsets can address ({INT32_MAX:,}); write this cache with --format zarr")
     arrays = [pa.array(cols.sample_id, pa.int64()), pa.array(cols.truncated, pa.bool_())]
-    for name, _, off in COLUMNS:
+    for name, _, off in COLUMNS + tuple(c for c in OPTIONAL if c[0] in sch.names):
         offsets = entry if off == "entry_offsets" else getattr(cols, off)
-        arrays.append(pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(getattr(cols, name))))
+        values = getattr(cols, name)
+        if values is None:                 # an optional column this batch's records lack: NaN, as SPEC.md says
+            values = np.full(len(cols.positions), np.nan, np.float32)
+        arrays.append(pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values)))
     return pa.record_batch(arrays, schema=sch)
 
 
@@ -63,7 +68,8 @@ def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_
     if codec not in CODECS:
         raise ShardError(f"{path}: arrow codec must be one of {CODECS}, got {codec!r}")
     id_dtype = id_dtype_of(records)
-    sch = schema(top_k, logprob_dtype, id_dtype)
+    sch = schema(top_k, logprob_dtype, id_dtype, optional=[n for n, _, _ in OPTIONAL
+                                                           if any(getattr(r, n) is not None for r in records)])
     opts = _options(codec)
 
     def fill(tmp):
@@ -159,7 +165,7 @@ def _flat(col):
 
 
 def _columns(batch):
-    got = {name: _flat(batch.column(name)) for name, _, _ in COLUMNS}
+    got = {name: _flat(batch.column(name)) for name, _, _ in COLUMNS + OPTIONAL if name in batch.schema.names}
     return layout.Columns(
         sample_id=batch.column("sample_id").to_numpy(),
         truncated=batch.column("truncated").to_numpy(zero_copy_only=False),

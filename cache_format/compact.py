@@ -137,4 +137,4 @@ def to_store(rec, *, top_p, logprob_dtype, vocab_size):
         tail = tail_mass_from_logprobs(lps)
     kl = kl_to_exact(rec.topk_logprobs, stored_logprobs(lps, logprob_dtype), tail, vocab_size)
     return Record(rec.sample_id, rec.input_ids, rec.positions, ids, lps, tail, rec.truncated,
-                  rec.target_logprobs), kl
+                  rec.target_logprobs, rec.behavior_logprobs), kl

@@ -3,7 +3,8 @@
 Every shard holds the same columns, flat and CSR-indexed per sample:
   per sample    sample_id int64, truncated bool
   per token     input_ids int32                       (sample i: token_offsets[i]:token_offsets[i+1])
-  per position  positions int32, topk_counts uint16, tail_mass float32, target_logprobs float32 (NaN unknown)
+  per position  positions int32, topk_counts uint16, tail_mass float32, target_logprobs float32 (NaN unknown),
+                behavior_logprobs float32 (optional: only in shards whose records carry it)
   per entry     topk_ids (uint16, or int32 where an id exceeds 65535), topk_values: topk_counts[p] entries per
                 position; float16/float32: ids and log-probs in rank order; sqrt8: see compact.py
 Encoding and decoding are vectorised over a whole block of samples: no per-position Python loop.
@@ -30,6 +31,7 @@ class Columns:
     target_logprobs: np.ndarray
     topk_ids: np.ndarray
     topk_values: np.ndarray
+    behavior_logprobs: np.ndarray | None = None     # None: the shard has no such column
 
     @property
     def entry_offsets(self):
@@ -41,6 +43,7 @@ class Columns:
 PER_SAMPLE = ("sample_id", "truncated")
 PER_TOKEN = ("input_ids",)
 PER_POSITION = ("positions", "topk_counts", "tail_mass", "target_logprobs")
+OPTIONAL = ("behavior_logprobs",)       # per position, written only where the records carry it
 PER_ENTRY = ("topk_ids", "topk_values")
 
 
@@ -73,7 +76,10 @@ def encode(records, *, top_k, logprob_dtype, id_dtype=None) -> Columns:
         tail_mass=_cat([r.tail_mass for r in records], np.float32),
         target_logprobs=_cat([np.full(len(r.positions), nan) if r.target_logprobs is None else r.target_logprobs
                               for r in records], np.float32),
-        topk_ids=tid, topk_values=tval)
+        topk_ids=tid, topk_values=tval,
+        behavior_logprobs=_cat([np.full(len(r.positions), nan) if r.behavior_logprobs is None else
+                                r.behavior_logprobs for r in records], np.float32)
+        if any(r.behavior_logprobs is not None for r in records) else None)
 
 
 class Decoded:
@@ -93,4 +99,5 @@ class Decoded:
         t0, t1, p0, p1 = c.token_offsets[i], c.token_offsets[i + 1], c.position_offsets[i], c.position_offsets[i + 1]
         return Record(int(c.sample_id[i]), c.input_ids[t0:t1], c.positions[p0:p1], self.ids[p0:p1],
                       self.lps[p0:p1], c.tail_mass[p0:p1], bool(c.truncated[i]),
-                      c.target_logprobs[p0:p1] if self.has_target else None)
+                      c.target_logprobs[p0:p1] if self.has_target else None,
+                      None if c.behavior_logprobs is None else c.behavior_logprobs[p0:p1])

@@ -32,6 +32,9 @@ class Record:
       target_logprobs float32 [P]  the teacher's log-prob of the target input_ids[t+1] itself, at any rank;
                                    None where unknown (format 1 caches, writers that lack it), NaN for a
                                    position where unknown
+      behavior_logprobs float32 [P]  generate mode: the log-prob the generator sampled the target with (its
+                                   distribution at the sampling temperature, after top-p; 0 for greedy decoding),
+                                   for importance weights; None in caches without it
     """
     sample_id: int
     input_ids: np.ndarray
@@ -41,6 +44,7 @@ class Record:
     tail_mass: np.ndarray | None = None
     truncated: bool = False
     target_logprobs: np.ndarray | None = None
+    behavior_logprobs: np.ndarray | None = None
 
     @property
     def targets(self):
@@ -89,6 +93,8 @@ def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True, 
     tail = tail_mass_from_logprobs(np.where(used, tlp, -np.inf)) if rec.tail_mass is None else \
         np.ascontiguousarray(rec.tail_mass, dtype=np.float32)
     target = None if rec.target_logprobs is None else np.ascontiguousarray(rec.target_logprobs, dtype=np.float32)
+    behavior = None if rec.behavior_logprobs is None else \
+        np.ascontiguousarray(rec.behavior_logprobs, dtype=np.float32)
     T, P = ids.shape[0] if ids.ndim == 1 else -1, pos.shape[0] if pos.ndim == 1 else -1
 
     def bad(msg):
@@ -136,7 +142,13 @@ def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True, 
         target = np.where(np.isneginf(target), np.float32(LOGPROB_FLOOR), target)
         if np.nanmax(target, initial=-np.inf) > 1e-4:
             bad("target_logprobs must be <= 0 (NaN where unknown)")
-    return Record(int(sid), ids, pos, tid, tlp, np.clip(tail, 0.0, 1.0), bool(rec.truncated), target)
+    if behavior is not None:
+        if behavior.shape != (P,):
+            bad(f"behavior_logprobs must be [{P}], got {behavior.shape}")
+        behavior = np.where(np.isneginf(behavior), np.float32(LOGPROB_FLOOR), behavior)
+        if np.nanmax(behavior, initial=-np.inf) > 1e-4:
+            bad("behavior_logprobs must be <= 0 (NaN where unknown)")
+    return Record(int(sid), ids, pos, tid, tlp, np.clip(tail, 0.0, 1.0), bool(rec.truncated), target, behavior)
 
 
 def tail_mass_from_logprobs(topk_logprobs) -> np.ndarray:

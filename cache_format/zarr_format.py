@@ -55,6 +55,7 @@ ARRAYS = (("sample_id", TOKEN_CHUNK), ("truncated", TOKEN_CHUNK), ("token_offset
           ("input_ids", TOKEN_CHUNK), ("position_offsets", TOKEN_CHUNK), ("positions", TOKEN_CHUNK),
           ("topk_counts", TOKEN_CHUNK), ("tail_mass", TOKEN_CHUNK), ("target_logprobs", TOKEN_CHUNK),
           ("topk_ids", ENTRY_CHUNK), ("topk_values", ENTRY_CHUNK))
+OPTIONAL = (("behavior_logprobs", TOKEN_CHUNK),)      # per position, written only where the records carry it
 
 
 def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_CODEC):
@@ -67,8 +68,9 @@ def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_
         g = zarr.open_group(zarr.storage.LocalStore(tmp), mode="w", zarr_format=3, attributes={
             "kdcache_format_version": FORMAT_VERSION, "top_k": top_k, "num_samples": len(records),
             "logprob_dtype": logprob_dtype})
-        for name, chunk in ARRAYS:
-            _put(g, name, getattr(cols, name), chunk, codec)
+        for name, chunk in ARRAYS + OPTIONAL:
+            if getattr(cols, name) is not None:
+                _put(g, name, getattr(cols, name), chunk, codec)
 
     return write_new(path, fill)
 
@@ -93,6 +95,9 @@ async def _open(path):
     if not _readable(version):
         return attrs, None, None
     payload = V1_PAYLOAD if version == 1 else PAYLOAD
+    if version != 1:
+        names = {n async for n in g.array_keys()}
+        payload += tuple(n for n, _ in OPTIONAL if n in names)
     index = INDEX + (() if version == 1 else ("topk_counts",))
     arrays = dict(zip(payload + index, await asyncio.gather(*(g.getitem(n) for n in payload + index))))
     got = await asyncio.gather(*(arrays[n].getitem(slice(None)) for n in index))
@@ -152,11 +157,13 @@ class Shard:
                                  topk_ids=a["topk_ids"].reshape(-1), topk_values=a["topk_logprobs"].reshape(-1))
             else:
                 e0, e1 = self._eoff[p0], self._eoff[p1]
+                optional = {n: (p0, p1) for n, _ in OPTIONAL if n in self._a}
                 a = sync(_slices(self._a, {"input_ids": (t0, t1), "positions": (p0, p1), "tail_mass": (p0, p1),
                                            "target_logprobs": (p0, p1), "topk_ids": (e0, e1),
-                                           "topk_values": (e0, e1)}))
+                                           "topk_values": (e0, e1), **optional}))
                 per_entry = dict(topk_counts=self._counts[p0:p1], target_logprobs=a["target_logprobs"],
-                                 topk_ids=a["topk_ids"], topk_values=a["topk_values"])
+                                 topk_ids=a["topk_ids"], topk_values=a["topk_values"],
+                                 **{n: a[n] for n in optional})
             cols = layout.Columns(
                 sample_id=self._sid[lo:hi], truncated=self._trunc[lo:hi], token_offsets=self._toff[lo:hi + 1] - t0,
                 input_ids=a["input_ids"], position_offsets=self._poff[lo:hi + 1] - p0,
