@@ -72,6 +72,9 @@ class PrecomputeConfig:
     eos_tokens: list = field([], "extra end-of-turn token strings (YAML only)")
     text_end: str = field("auto", "token appended to plain-text records: auto = the tokenizer's document-end token "
                                   "(<|endoftext|>, <|end_of_text|>, </s>, <eos>) where it has one, else its EOS")
+    generator: str | None = field(None, "generate mode: the model directory that writes the completions (default: "
+                                        "the teacher), each sampled token's log-prob stored as behavior_logprobs; "
+                                        "the teacher scores them. Its tokenizer must be the teacher's")
     gen_max_new_tokens: int = field(256, "generate mode: maximum new tokens")
     gen_temperature: float = field(1.0, "generate mode: sampling temperature (0 = greedy)")
     gen_top_p: float = field(1.0, "generate mode: nucleus sampling threshold")

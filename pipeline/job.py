@@ -180,6 +180,9 @@ def run_job(job: Job, spool, starter=None):
         meta["vllm_engine"] = {"enforce_eager": cfg.enforce_eager,
                                "tensor_parallel_size": cfg.tensor_parallel_size,
                                "pipeline_parallel_size": cfg.pipeline_parallel_size}
+    if cfg.generator:
+        meta["generator"] = {"model": os.path.basename(os.path.abspath(cfg.generator)),
+                             "backend": job.generator_backend}
     if job.server:
         meta["teacher_server"] = {"url": cfg.teacher, **job.server, "revision": cfg.teacher_revision}
     writer = CacheWriter(cfg.out, storage=job.storage, vocab_size=job.vocab_size, eos_token_ids=job.turn_ends,

@@ -45,6 +45,7 @@ class Job:
     storage: Storage         # how the cache stores the rows (the writer owns it; the workers write with it)
     parts: dict              # fingerprint parts (without the storage's, which the writer adds)
     t_start: float
+    generator_backend: str | None = None    # --generator: hf or vllm, in the workers beside the teacher
 
     def worker_spec(self) -> WorkerSpec:
         cfg = self.cfg
@@ -64,7 +65,14 @@ class Job:
                                    else {}),
                                 **({} if self.server is None else
                                    dict(requests_in_flight=cfg.requests_in_flight, expect=self.server))),
-            storage=self.storage, vocab_size=self.vocab_size, generate=gen)
+            storage=self.storage, vocab_size=self.vocab_size, generate=gen,
+            generator=None if not cfg.generator else dict(
+                backend=self.generator_backend, model_path=cfg.generator,
+                kwargs=dict(dtype=self.dtype if self.dtype != "server" else "float32", max_length=cfg.max_length,
+                            max_top_k=1, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
+                            batch_tokens=cfg.batch_tokens, threads=threads,
+                            **(dict(enforce_eager=True) if cfg.enforce_eager and self.generator_backend == "vllm"
+                               else {}))))
 
 
 # -- checks that need no model loaded ---------------------------------------------------------------------------
@@ -257,8 +265,30 @@ def settle(cfg, t_start) -> Job:
     tok_id = tokenizer_identity(tok)
     if is_cache(cfg.data):
         check_source_tokenizer(cfg.data, tok_id)
+    gen_backend = check_generator(cfg, tok_id, backend)
     parts = fingerprint_parts(cfg, tok_id, ends, backend, dtype, server)
-    return Job(cfg, encoder, tok_id, ends, backend, reason, server, gpus, dtype, vocab_size, storage, parts, t_start)
+    return Job(cfg, encoder, tok_id, ends, backend, reason, server, gpus, dtype, vocab_size, storage, parts, t_start,
+               gen_backend)
+
+
+def check_generator(cfg, tok_id, teacher_backend):
+    """--generator: generate mode, a model directory, the teacher's tokenizer (its ids are the teacher's, never
+    decoded and re-encoded). Returns the backend it runs on (the teacher's when in process, else auto's), or None
+    without one."""
+    if not cfg.generator:
+        return None
+    if cfg.mode != "generate":
+        raise ConfigError(f"generator: {cfg.generator} writes completions, which only --mode generate asks for")
+    if not os.path.isfile(os.path.join(cfg.generator, "config.json")):
+        raise ConfigError(f"generator: {cfg.generator} is not a model directory (no config.json there)")
+    from transformers import AutoTokenizer
+    gen_tok = AutoTokenizer.from_pretrained(cfg.generator, trust_remote_code=cfg.trust_remote_code)
+    diffs = diff_identity(tok_id, tokenizer_identity(gen_tok))
+    if diffs:
+        raise ConfigError(f"generator: {cfg.generator} has another tokenizer than the teacher's "
+                          f"({'; '.join(diffs).replace(' in the cache', ' for the teacher')}): its token ids "
+                          "would mean other tokens to the teacher. Use a generator with the teacher's tokenizer")
+    return teacher_backend if teacher_backend in ("hf", "vllm") else choose_backend("auto", cfg.generator)[0]
 
 
 def check_source_tokenizer(path, tok_id):
@@ -304,6 +334,8 @@ def fingerprint_parts(cfg, tok_identity, end_of_turn, backend, dtype, server=Non
     if cfg.mode == "generate":
         capture.update(max_new_tokens=cfg.gen_max_new_tokens, temperature=cfg.gen_temperature,
                        top_p=cfg.gen_top_p, seed=cfg.seed)
+        if cfg.generator:          # recorded only when set: caches of teacher generations keep their fingerprint
+            capture["generator"] = hash_tree(cfg.generator)
     return {
         "teacher": teacher_part(cfg, server),              # weights + config, by content (or the server's word)
         "tokenizer": hash_json(tok_identity),

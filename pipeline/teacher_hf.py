@@ -80,34 +80,43 @@ class HFTeacher:
         return out
 
     @torch.no_grad()
-    def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, turn_ends):
-        """See pipeline.teacher.Teacher.generate."""
+    def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, turn_ends, logprobs=False,
+                 vocab_limit=None):
+        """See pipeline.teacher.Teacher.generate. As a --generator: vocab_limit, sample ids below it only (the
+        teacher's rows); logprobs, also return each sampled token's log-prob (float32 [n]) under the distribution
+        it was drawn from (temperature and top-p applied; 0 for greedy decoding)."""
         results = []
         g = torch.Generator(device=self.device)
         for p, budget, seed in zip(prompts, max_new_tokens, seeds):
             g.manual_seed(int(seed))
-            past, new = None, []
+            past, new, lps = None, [], []
             x = torch.tensor([np.asarray(p).tolist()], device=self.device)
             for _ in range(int(budget)):
                 o = self.model(input_ids=x, past_key_values=past, use_cache=True)
                 past = o.past_key_values
                 logits = o.logits[0, -1].float()
-                tok = _sample(logits, temperature, top_p, g)
+                if vocab_limit is not None:
+                    logits = logits[:vocab_limit]
+                tok, lp = _sample(logits, temperature, top_p, g)
                 new.append(tok)
+                lps.append(lp)
                 if tok in turn_ends:
                     break
                 x = torch.tensor([[tok]], device=self.device)
-            results.append((new, bool(new) and new[-1] in turn_ends))
+            ended = bool(new) and new[-1] in turn_ends
+            results.append((new, ended, np.array(lps, np.float32)) if logprobs else (new, ended))
         return results
 
 
 def _sample(logits, temperature, top_p, g):
+    """(token id, its log-prob under the distribution it was drawn from)."""
     if temperature == 0:
-        return int(logits.argmax())
+        return int(logits.argmax()), 0.0
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         sp, si = probs.sort(descending=True)
         keep = sp.cumsum(0) - sp < top_p
         probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
         probs = probs / probs.sum()
-    return int(torch.multinomial(probs, 1, generator=g))
+    tok = int(torch.multinomial(probs, 1, generator=g))
+    return tok, float(torch.log(probs[tok]))

@@ -21,6 +21,7 @@ class WorkerSpec:
     storage: Storage         # the cache's storage settings (its CacheWriter's: a shard written otherwise is refused)
     vocab_size: int          # the teacher's: every stored id lies below it
     generate: dict | None    # generate mode: max_new_tokens, temperature, top_p, seed, turn_ends, max_length
+    generator: dict | None = None   # --generator: backend, model_path, kwargs (a Teacher that only generates)
 
 
 @dataclass
@@ -39,7 +40,7 @@ class TeacherWorker:
         """With a spec, load the teacher now (ready() then says it is loaded). Without one: an actor started before
         the job was settled (pipeline.dispatch.prestart_workers), which imports what every local teacher backend needs
         (torch, transformers) while the driver settles the job, and loads the teacher when load(spec) comes."""
-        self.spec = self.teacher = None
+        self.spec = self.teacher = self.generator = None
         if spec is not None:
             self.load(spec)
         else:
@@ -49,6 +50,8 @@ class TeacherWorker:
     def load(self, spec: WorkerSpec):
         self.spec = spec
         self.teacher = make_teacher(spec.teacher_backend, spec.model_path, **spec.teacher_kwargs)
+        g = spec.generator
+        self.generator = None if g is None else make_teacher(g["backend"], g["model_path"], **g["kwargs"])
         return True
 
     def ready(self):
@@ -60,16 +63,18 @@ class TeacherWorker:
         retried = _retried(self.teacher)
         samples = unit.samples
         k = self.spec.storage.top_k
+        behavior = [None] * len(samples)
         try:
             if self.spec.generate and samples:
-                samples, scored = self._generate(samples, k)
+                samples, scored, behavior = self._generate(samples, k)
             else:
                 scored = self.teacher.score([s.input_ids for s in samples], [s.positions for s in samples], k) \
                     if samples else []
         except SampleFailed as e:          # one sequence failed on its own: name its sample
             raise e.named(samples) from None
         records = [Record(s.sample_id, s.input_ids, s.positions, sc.ids, sc.logprobs, truncated=s.truncated,
-                          target_logprobs=sc.target_logprobs) for s, sc in zip(samples, scored)]
+                          target_logprobs=sc.target_logprobs, behavior_logprobs=b)
+                   for s, sc, b in zip(samples, scored, behavior)]
         teacher_s = time.perf_counter() - t0
         shard = write_shard_file(unit.directory, unit.index, records, storage=self.spec.storage,
                                  vocab_size=self.spec.vocab_size, sample_start=unit.sample_start,
@@ -78,19 +83,27 @@ class TeacherWorker:
                 "retried": _retried(self.teacher) - retried}
 
     def _generate(self, samples: list[Sample], k: int):
-        """Prompts -> (prompt + teacher completion samples (see encode.with_completion), their Scored): in one
-        pass where the backend offers generate_scored, else generate then score."""
+        """Prompts -> (prompt + completion samples (see encode.with_completion), their Scored, each one's behaviour
+        log-probs or None). The teacher's completions: in one pass where the backend offers generate_scored, else
+        generate then score. A --generator's: it generates (ids below the teacher's vocabulary only, with the
+        log-prob of each sampled token), the teacher scores."""
         g = self.spec.generate
         prompts = [s.input_ids for s in samples]
         args = dict(max_new_tokens=[min(g["max_new_tokens"], g["max_length"] - len(p)) for p in prompts],
                     temperature=g["temperature"], top_p=g["top_p"], seeds=[g["seed"] + s.sample_id for s in samples],
                     turn_ends=set(g["turn_ends"]))
+        if self.generator is not None:
+            gens = self.generator.generate(prompts, **args, logprobs=True, vocab_limit=self.spec.vocab_size)
+            full = [with_completion(s, new, ended) for s, (new, ended, _) in zip(samples, gens)]
+            scored = self.teacher.score([s.input_ids for s in full], [s.positions for s in full], k)
+            return full, scored, [lps for _, _, lps in gens]
         if hasattr(self.teacher, "generate_scored"):
             out = self.teacher.generate_scored(prompts, k=k, **args)
-            return [with_completion(s, new, ended) for s, (new, ended, _) in zip(samples, out)], [o[2] for o in out]
+            full = [with_completion(s, new, ended) for s, (new, ended, _) in zip(samples, out)]
+            return full, [o[2] for o in out], [None] * len(out)
         gens = self.teacher.generate(prompts, **args)
         full = [with_completion(s, new, ended) for s, (new, ended) in zip(samples, gens)]
-        return full, self.teacher.score([s.input_ids for s in full], [s.positions for s in full], k)
+        return full, self.teacher.score([s.input_ids for s in full], [s.positions for s in full], k), [None] * len(full)
 
 
 def _retried(teacher) -> int:
