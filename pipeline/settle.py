@@ -71,8 +71,8 @@ class Job:
                 kwargs=dict(dtype=self.dtype if self.dtype != "server" else "float32", max_length=cfg.max_length,
                             max_top_k=1, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
                             batch_tokens=cfg.batch_tokens, threads=threads,
-                            **(dict(enforce_eager=True) if cfg.enforce_eager and self.generator_backend == "vllm"
-                               else {}))))
+                            **(dict(logprobs_mode="processed_logprobs",
+                                    enforce_eager=cfg.enforce_eager) if self.generator_backend == "vllm" else {}))))
 
 
 # -- checks that need no model loaded ---------------------------------------------------------------------------

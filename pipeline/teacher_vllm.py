@@ -17,7 +17,8 @@ class VLLMTeacher:
 
     def __init__(self, model_path, *, dtype="float32", max_length=2048, max_top_k=64, seed=0,
                  trust_remote_code=False, gpu_memory_utilization=0.85, batch_tokens=8192, tensor_parallel_size=1,
-                 pipeline_parallel_size=1, enforce_eager=False, **_):
+                 pipeline_parallel_size=1, enforce_eager=False, logprobs_mode="raw_logprobs", **_):
+        """logprobs_mode: vLLM's; a --generator's is processed_logprobs (the distribution it samples from)."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         from vllm import LLM
@@ -27,7 +28,7 @@ class VLLMTeacher:
                        max_num_batched_tokens=max(batch_tokens, max_length), enable_prefix_caching=False,
                        # TP x PP > 1: vLLM's Ray workers, one per GPU of the placement group this actor sits in
                        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                       enforce_eager=enforce_eager,
+                       enforce_eager=enforce_eager, logprobs_mode=logprobs_mode,
                        **({"distributed_executor_backend": "ray"}
                           if tensor_parallel_size * pipeline_parallel_size > 1 else {}))
 
@@ -45,21 +46,30 @@ class VLLMTeacher:
             out.append(_topk_from_flat(o.prompt_logprobs, rows, np.asarray(s, dtype=np.int64)[rows], k))
         return out
 
-    def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, turn_ends):
-        """See pipeline.teacher.Teacher.generate (generate_scored with the scores dropped)."""
-        return [(new, ended) for new, ended, _ in self.generate_scored(
-            prompts, k=1, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seeds=seeds,
-            turn_ends=turn_ends)]
+    def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, turn_ends, logprobs=False,
+                 vocab_limit=None):
+        """See pipeline.teacher.Teacher.generate (generate_scored with the scores dropped). As a --generator (see
+        HFTeacher.generate): vocab_limit, sample ids below it only; logprobs, each sampled token's log-prob as
+        vLLM gives it (processed_logprobs: temperature and top-p applied; 0 for greedy decoding)."""
+        out = self.generate_scored(prompts, k=1, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_p=top_p, seeds=seeds, turn_ends=turn_ends, vocab_limit=vocab_limit)
+        if not logprobs:
+            return [(new, ended) for new, ended, _ in out]
+        return [(new, ended, np.zeros(len(new), np.float32) if temperature == 0 else sc.target_logprobs)
+                for new, ended, sc in out]
 
-    def generate_scored(self, prompts, *, k, max_new_tokens, temperature, top_p, seeds, turn_ends):
+    def generate_scored(self, prompts, *, k, max_new_tokens, temperature, top_p, seeds, turn_ends,
+                        vocab_limit=None):
         """generate() with each generated step's top-k from the same pass (`logprobs` k, the model's raw
         log-probs: vLLM's default logprobs_mode): one engine pass instead of a generation and a scoring pass.
         Returns [(new ids, ended, Scored)]; a prompt with no budget gets ([], False, no rows)."""
         from vllm import SamplingParams
         todo = [i for i, n in enumerate(max_new_tokens) if int(n) >= 1]
+        rows = self.llm.llm_engine.model_config.get_vocab_size()
+        allowed = {} if vocab_limit is None or vocab_limit >= rows else {"allowed_token_ids": list(range(vocab_limit))}
         params = [SamplingParams(max_tokens=int(max_new_tokens[i]), temperature=temperature, top_p=top_p,
                                  seed=int(seeds[i]), stop_token_ids=[int(t) for t in turn_ends], detokenize=False,
-                                 logprobs=k, flat_logprobs=True) for i in todo]
+                                 logprobs=k, flat_logprobs=True, **allowed) for i in todo]
         outs = self.llm.generate(_prompts([prompts[i] for i in todo]), params, use_tqdm=False) if todo else []
         res = [([], False, Scored(np.empty((0, k), np.int32), np.empty((0, k), np.float32),
                                   np.empty(0, np.float32))) for _ in prompts]

