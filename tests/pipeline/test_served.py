@@ -382,6 +382,37 @@ def test_served_cache_agrees_with_the_transformers_reference(served, served_cach
 @pytest.mark.vllm
 @pytest.mark.ray
 @pytest.mark.slow
+def test_a_generator_in_process_beside_a_served_teacher(served, tiny, tmp_path):
+    """--generator with a served teacher: the generator runs in the workers (auto: hf here), the server scores its
+    completions; behavior_logprobs are the generator's log-softmax at the sampling temperature on those ids."""
+    import torch
+
+    from kdcache.pipeline.teacher_hf import HFTeacher
+    from tests.pipeline.test_vllm import assert_topk_parity, hf_reference
+    data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:4])
+    res = precompute("--teacher", served.server.url, "--tokenizer", served.tok, "--generator", tiny["teacher"],
+                     "--data", data, "--top-k", 16, "--logprob-dtype", "float32", "--mode", "generate",
+                     "--gen-temperature", 0.7, "--gen-max-new-tokens", 10, "--max-length", 256, "--out",
+                     tmp_path / "gen", timeout=600, shared_ray=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    cache = open_cache(tmp_path / "gen")
+    assert cache.manifest["meta"]["generator"] == {"model": "teacher", "backend": "hf"}
+    assert verify_cache(tmp_path / "gen").ok
+    recs = list(cache)
+    model = HFTeacher(tiny["teacher"], dtype="float32")
+    for r in recs:
+        with torch.no_grad():
+            logits = model.model(input_ids=torch.tensor(r.input_ids[None].astype(np.int64))).logits[0].float()
+        want = torch.log_softmax(logits / 0.7, dim=-1)[r.positions, r.targets].numpy()
+        np.testing.assert_allclose(r.behavior_logprobs, want, atol=2e-5)
+    _, ref = hf_reference(served.teacher, recs, 16)
+    for w, r in zip(ref, recs):
+        assert_topk_parity(w, r)
+
+
+@pytest.mark.vllm
+@pytest.mark.ray
+@pytest.mark.slow
 def test_generate_mode_served_matches_hf_greedy(served, tiny, tmp_path):
     """The served teacher writes the completion (greedy, ids back as ids): transformers writes the same tokens,
     and the top-k agree, on completions that end (the end-of-turn step stored and trained) and that do not."""
