@@ -94,6 +94,7 @@ class RayStarter:
         try:
             self.ray = start_ray(self.ray_address)
             self.up_at = time.time()
+            reaper.announce(self._reaper, session_dir(self.ray))
             if self.prestart is not None:
                 try:
                     self.prestarted = self.prestart(self.ray)
@@ -128,6 +129,14 @@ class RayStarter:
             self._release.set()
             self._thread.join()
             reaper.stop(self._reaper)
+
+
+def session_dir(ray):
+    """The running Ray's session directory (its processes log there), or None where this Ray does not say."""
+    try:
+        return ray._private.worker._global_node.get_session_dir_path()
+    except Exception:
+        return None
 
 
 def worker_gpus(cfg):

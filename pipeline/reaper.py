@@ -6,14 +6,18 @@ also starts this reaper: a small process that watches the driver through a pipe 
 (the driver exited, however it died), kills what the driver's process tree held at its last look, less what it
 held when the reaper started.
 
-Each look records (pid, start time), so a pid reused since is never killed. Linux only (it reads /proc); elsewhere
-start() returns None. A job that joins a cluster starts no reaper: that cluster is not the job's to stop.
+Each look records (pid, start time), so a pid reused since is never killed. A process Ray started after the last
+look (its agents, restarted under load, were seen to outlive a driver that way) is found by its Ray session: once
+the driver has told the reaper its session directory (announce), the reaper also kills, after the driver is gone,
+every process whose stdout or stderr is a file in that directory, as all of Ray's are. Linux only (it reads /proc);
+elsewhere start() returns None. A job that joins a cluster starts no reaper: that cluster is not the job's to stop.
 """
 import os
 import select
 import signal
 import subprocess
 import sys
+import time
 
 LOOK_S = 0.5
 
@@ -29,9 +33,23 @@ def start():
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def announce(proc, session_dir):
+    """Tell the reaper the job's Ray session directory (see the module's docstring)."""
+    if proc is not None and session_dir:
+        try:
+            proc.stdin.write(f"session {session_dir}\n".encode())
+            proc.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def stop(proc):
-    """After a clean shutdown: close the pipe (the reaper kills whatever is left) and wait for it."""
+    """After a clean shutdown: close the pipe (the reaper kills whatever is left, at once) and wait for it."""
     if proc is not None:
+        try:
+            proc.stdin.write(b"clean\n")
+        except (OSError, ValueError):
+            pass
         proc.stdin.close()
         try:
             proc.wait(timeout=10)
@@ -65,22 +83,58 @@ def tree(root, skip=()):
     return found
 
 
+def in_session(session_dir, skip=()):
+    """Live pids whose stdout or stderr is a file under session_dir (Ray's processes of that session)."""
+    root = os.path.realpath(session_dir) + os.sep
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in skip:
+            continue
+        for fd in (1, 2):
+            try:
+                if os.readlink(f"/proc/{name}/fd/{fd}").startswith(root):
+                    found.append(int(name))
+                    break
+            except OSError:
+                pass
+    return found
+
+
 def watch(driver: int, before=frozenset()):
     """before: the driver's descendants when it started the reaper, not Ray's (a program calling kdcache in
     process may have children of its own): left alone, with their subtrees."""
-    seen = {}
+    seen, sessions, buf, clean = {}, [], b"", False
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], LOOK_S)
-        if ready and not os.read(sys.stdin.fileno(), 4096):
-            break                                   # EOF: the driver is gone (or done)
+        if ready:
+            data = os.read(sys.stdin.fileno(), 4096)
+            if not data:
+                break                               # EOF: the driver is gone (or done)
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if line.startswith(b"session "):
+                    sessions.append(line[len(b"session "):].decode())
+                clean = clean or line == b"clean"
         seen = tree(driver, skip={os.getpid()} | before) or seen
     for pid, started in seen.items():
         st = _stat(pid)
         if st is not None and st[1] == started:     # the same process, not a reused pid
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+            _kill(pid)
+    # What the last look missed, and (unless the driver shut its Ray down itself) what was mid-start then.
+    for n in range(0 if not sessions else 1 if clean else 3):
+        if n:
+            time.sleep(LOOK_S)
+        for session in sessions:
+            for pid in in_session(session, skip={os.getpid()} | set(before)):
+                _kill(pid)
+
+
+def _kill(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

@@ -95,6 +95,10 @@ def check_paths(cfg):
         raise ConfigError(f"teacher: {cfg.teacher} is not a model directory (no config.json there); {local}")
     if cfg.tokenizer and not os.path.isdir(cfg.tokenizer):
         raise ConfigError(f"tokenizer: {cfg.tokenizer} is not a directory; {local}")
+    if cfg.generator and cfg.mode != "generate":
+        raise ConfigError(f"generator: {cfg.generator} writes completions, which only --mode generate asks for")
+    if cfg.generator and not os.path.isfile(os.path.join(cfg.generator, "config.json")):
+        raise ConfigError(f"generator: {cfg.generator} is not a model directory (no config.json there); {local}")
     if not is_cache(cfg.data) and not os.path.exists(cfg.data):
         raise DataError(f"dataset {cfg.data} does not exist (hub dataset names need network access: save the "
                         "dataset to disk with datasets' save_to_disk and pass the directory)")
@@ -272,15 +276,11 @@ def settle(cfg, t_start) -> Job:
 
 
 def check_generator(cfg, tok_id, teacher_backend):
-    """--generator: generate mode, a model directory, the teacher's tokenizer (its ids are the teacher's, never
-    decoded and re-encoded). Returns the backend it runs on (the teacher's when in process, else auto's), or None
-    without one."""
+    """--generator (generate mode and a model directory: check_paths): the teacher's tokenizer (its ids are the
+    teacher's, never decoded and re-encoded). Returns the backend it runs on (the teacher's when in process, else
+    auto's), or None without one."""
     if not cfg.generator:
         return None
-    if cfg.mode != "generate":
-        raise ConfigError(f"generator: {cfg.generator} writes completions, which only --mode generate asks for")
-    if not os.path.isfile(os.path.join(cfg.generator, "config.json")):
-        raise ConfigError(f"generator: {cfg.generator} is not a model directory (no config.json there)")
     from transformers import AutoTokenizer
     gen_tok = AutoTokenizer.from_pretrained(cfg.generator, trust_remote_code=cfg.trust_remote_code)
     diffs = diff_identity(tok_id, tokenizer_identity(gen_tok))

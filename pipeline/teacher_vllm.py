@@ -65,8 +65,9 @@ class VLLMTeacher:
         Returns [(new ids, ended, Scored)]; a prompt with no budget gets ([], False, no rows)."""
         from vllm import SamplingParams
         todo = [i for i, n in enumerate(max_new_tokens) if int(n) >= 1]
-        rows = self.llm.llm_engine.model_config.get_vocab_size()
-        allowed = {} if vocab_limit is None or vocab_limit >= rows else {"allowed_token_ids": list(range(vocab_limit))}
+        allowed = {}
+        if vocab_limit is not None and vocab_limit < self.llm.llm_engine.model_config.get_vocab_size():
+            allowed = {"allowed_token_ids": list(range(vocab_limit))}
         params = [SamplingParams(max_tokens=int(max_new_tokens[i]), temperature=temperature, top_p=top_p,
                                  seed=int(seeds[i]), stop_token_ids=[int(t) for t in turn_ends], detokenize=False,
                                  logprobs=k, flat_logprobs=True, **allowed) for i in todo]

@@ -64,13 +64,13 @@ def test_a_generator_is_refused_outside_generate_mode_or_with_another_tokenizer(
     from tests.helpers.families import corpus_texts, family_tokenizer
     data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:2])
     base = ["--teacher", tiny["teacher"], "--data", data, "--backend", "hf", "--out", tmp_path / "c"]
-    res = precompute(*base, "--generator", tiny["teacher"])
+    res = precompute(*base, "--generator", tiny["teacher"], shared_ray=True)
     assert res.returncode == 2 and "only --mode generate" in res.stderr, res.stderr[-2000:]
-    res = precompute(*base, "--mode", "generate", "--generator", tmp_path / "nothing")
+    res = precompute(*base, "--mode", "generate", "--generator", tmp_path / "nothing", shared_ray=True)
     assert res.returncode == 2 and "is not a model directory" in res.stderr, res.stderr[-2000:]
     other = family_tokenizer("chatml", str(tmp_path / "tok"), corpus_texts())
     save(make_model(other, "test", seed=0), other, str(tmp_path / "other"))
-    res = precompute(*base, "--mode", "generate", "--generator", tmp_path / "other")
+    res = precompute(*base, "--mode", "generate", "--generator", tmp_path / "other", shared_ray=True)
     assert res.returncode == 2 and "another tokenizer than the teacher's" in res.stderr, res.stderr[-2000:]
     assert "vocabulary" in res.stderr and not (tmp_path / "c").exists()
 

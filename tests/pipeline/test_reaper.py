@@ -52,3 +52,42 @@ def _alive(pid):
             return f.read().split(") ")[1][0] != "Z"
     except OSError:
         return False
+
+
+SESSION_DRIVER = """
+import subprocess, sys, time
+from kdcache.pipeline import reaper
+session, out = sys.argv[1], sys.argv[2]
+r = reaper.start()
+reaper.announce(r, session)
+# never the driver's descendant at any look: started by a shell that exits at once (as an agent Ray restarts between
+# two looks would be missed); one logs into the session directory, as every Ray process does, one elsewhere
+for name, log in (("ray", session + "/logs/agent.out"), ("other", out + "/other.out")):
+    subprocess.run(["sh", "-c", f"setsid sleep 300 > {log} 2>&1 & echo $! > {out}/{name}.pid"], check=True)
+open(out + "/ready", "w").write("1")
+time.sleep(60)
+"""
+
+
+def test_after_a_sigkill_what_logs_into_the_jobs_ray_session_goes_too_and_nothing_else(tmp_path):
+    session = tmp_path / "session_1"
+    (session / "logs").mkdir(parents=True)
+    driver = subprocess.Popen([sys.executable, "-c", SESSION_DRIVER, str(session), str(tmp_path)],
+                              cwd=user_project(), env=user_env())
+    deadline = time.time() + 30
+    while not (tmp_path / "ready").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    ray_pid, other_pid = (int((tmp_path / f"{n}.pid").read_text()) for n in ("ray", "other"))
+    time.sleep(1.0)                                      # the reaper has looked at the tree since
+    assert _alive(ray_pid) and _alive(other_pid)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and _alive(ray_pid):
+        time.sleep(0.1)
+    gone, kept = not _alive(ray_pid), _alive(other_pid)
+    for pid in (ray_pid, other_pid):
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert gone, "a process logging into the job's Ray session outlived the driver"
+    assert kept, "the reaper killed a process that is not the job's"
