@@ -136,19 +136,21 @@ def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True, 
         bad("topk_logprobs must be sorted descending along k")
     if not np.all(np.isfinite(tail)) or tail.min() < -1e-4 or tail.max() > 1 + 1e-4:
         bad("tail_mass must lie in [0, 1]")
-    if target is not None:
-        if target.shape != (P,):
-            bad(f"target_logprobs must be [{P}], got {target.shape}")
-        target = np.where(np.isneginf(target), np.float32(LOGPROB_FLOOR), target)
-        if np.nanmax(target, initial=-np.inf) > 1e-4:
-            bad("target_logprobs must be <= 0 (NaN where unknown)")
-    if behavior is not None:
-        if behavior.shape != (P,):
-            bad(f"behavior_logprobs must be [{P}], got {behavior.shape}")
-        behavior = np.where(np.isneginf(behavior), np.float32(LOGPROB_FLOOR), behavior)
-        if np.nanmax(behavior, initial=-np.inf) > 1e-4:
-            bad("behavior_logprobs must be <= 0 (NaN where unknown)")
+    target = _per_position_logprobs("target_logprobs", target, P, bad)
+    behavior = _per_position_logprobs("behavior_logprobs", behavior, P, bad)
     return Record(int(sid), ids, pos, tid, tlp, np.clip(tail, 0.0, 1.0), bool(rec.truncated), target, behavior)
+
+
+def _per_position_logprobs(name, values, P, bad):
+    """An optional float32 [P] log-prob column, checked: <= 0 or NaN (unknown), -inf stored as the floor."""
+    if values is None:
+        return None
+    if values.shape != (P,):
+        bad(f"{name} must be [{P}], got {values.shape}")
+    values = np.where(np.isneginf(values), np.float32(LOGPROB_FLOOR), values)
+    if np.nanmax(values, initial=-np.inf) > 1e-4:
+        bad(f"{name} must be <= 0 (NaN where unknown)")
+    return values
 
 
 def tail_mass_from_logprobs(topk_logprobs) -> np.ndarray:
