@@ -6,11 +6,12 @@ also starts this reaper: a small process that watches the driver through a pipe 
 (the driver exited, however it died), kills what the driver's process tree held at its last look, less what it
 held when the reaper started.
 
-Each look records (pid, start time), so a pid reused since is never killed. A process Ray started after the last
-look (its agents, restarted under load, were seen to outlive a driver that way) is found by its Ray session: once
-the driver has told the reaper its session directory (announce), the reaper also kills, after the driver is gone,
-every process whose stdout or stderr is a file in that directory, as all of Ray's are. Linux only (it reads /proc);
-elsewhere start() returns None. A job that joins a cluster starts no reaper: that cluster is not the job's to stop.
+Each look records (pid, start time), so a pid reused since is never killed. A process the last look missed (two
+of Ray's agents once outlived a driver on a loaded machine, likely restarted between looks) is found by its Ray
+session: once the driver has told the reaper its session directory (announce), the reaper also kills, after the
+driver is gone, every process whose stdout or stderr is a file in that directory, as all of Ray's are. Linux only
+(it reads /proc); elsewhere start() returns None. A job that joins a cluster starts no reaper: that cluster is not
+the job's to stop.
 """
 import os
 import select
