@@ -11,6 +11,8 @@ COMMANDS = {
     "demo": ("kdcache.demo.run", "main", "the embedded default: teacher, cache, distilled student, report"),
     "precompute": ("kdcache.pipeline.cli", "main", "run the teacher once over a dataset and write a logit cache"),
     "train": ("kdcache.train.cli", "main", "distil a student from a logit cache (DeepSpeed, resumable)"),
+    "onpolicy": ("kdcache.onpolicy", "main", "on-policy rounds: the student's own samples, scored by the teacher, "
+                 "trained on (resumable)"),
     "eval": ("kdcache.train.eval", "main", "compare teacher and students on held-out prompts; writes report.md"),
     "inspect": ("kdcache.cache_format.cli", "inspect_main", "summarize a logit cache"),
     "verify": ("kdcache.cache_format.cli", "verify_main", "check every checksum and invariant of a cache"),

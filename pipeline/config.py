@@ -21,6 +21,8 @@ class PrecomputeConfig:
     store: bool = field(False, "treat --out as a store root: the cache goes to OUT/<alias>--<fingerprint>, and a "
                                "later run with the same inputs finds and reuses it (on by itself if OUT is a store)")
     alias: str | None = field(None, "store: readable name of a new cache (default: teacher-dataset-k<top_k>)")
+    location_file: str | None = field(None, "write the cache's path or URL to this file as soon as it is known (for "
+                                            "scripts that run a job into a store; kdcache onpolicy does)")
     tokenizer: str | None = field(None, "tokenizer directory (default: the teacher's; required for a served teacher)")
     top_k: int = field(64, "teacher log-probs kept per position")
     backend: str = field("auto", "teacher backend: vllm, hf, served (a URL teacher), or auto: served for a URL, "

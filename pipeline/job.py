@@ -20,6 +20,7 @@ from kdcache.cache_format.manifest import MANIFEST_NAME, SHARD_DIR, num_shards
 from kdcache.cache_format.store import is_store
 from kdcache.cache_format.store import resolve as resolve_in_store
 from kdcache.cache_format.writer import cache_fingerprint, existing_manifest
+from kdcache.common.atomic import atomic_write_bytes
 from kdcache.common.errors import BadRow, DataError, SkipSample
 
 from . import summary as report
@@ -41,6 +42,8 @@ def run_precompute(cfg):
         # finished cache (here or in a store) is found and reused without a teacher or a tokenizer pass.
         fp, full_parts = cache_fingerprint(job.parts, job.storage)
         job.cfg = cfg = replace(cfg, out=cache_location(cfg, fp, job.server))
+        if cfg.location_file:
+            atomic_write_bytes(cfg.location_file, cfg.out.encode())
         done = existing_manifest(cfg.out, fp, full_parts)
         if done is not None and done.complete:
             print(f"{cfg.out}: a complete cache of these inputs exists (fingerprint {fp[:16]}); reusing it: "

@@ -170,14 +170,24 @@ def set_rng_state(st):
         torch.cuda.set_rng_state_all([torch.tensor(x, dtype=torch.uint8) for x in states])
 
 
-def check_order(path, order):
+CACHE_KEYS = ("cache_fingerprint", "shards_sha256", "num_shards")    # what names the cache in a saved order
+
+
+def check_order(path, order, new_cache=False):
     """Refuse to resume from `path` if its reader positions mean other samples here: another cache, another
-    shard list, another world size, seed or shuffle (the saved positions would skip or repeat samples)."""
+    shard list, another world size, seed or shuffle (the saved positions would skip or repeat samples).
+
+    new_cache: a checkpoint of another cache is taken too (its reader position is then not used). Returns
+    whether the reader starts afresh: True only for a checkpoint of another cache under new_cache."""
     meta = json.load(open(os.path.join(path, "complete.json")))
     saved = dict(meta.get("data", {}), world_size=meta["world_size"])   # checkpoints before 'data': ranks only
-    differ = [f"{k}: {saved[k]!r} in the checkpoint, {order[k]!r} now" for k in sorted(saved) if saved[k] != order[k]]
+    differ = [k for k in sorted(saved) if saved[k] != order[k]]
+    other_cache = any(k in CACHE_KEYS for k in differ)
+    if new_cache and other_cache:
+        differ = [k for k in differ if k not in CACHE_KEYS]
+    differ = [f"{k}: {saved[k]!r} in the checkpoint, {order[k]!r} now" for k in differ]
     if not differ:
-        return
+        return new_cache and other_cache
     hint = (f"relaunch with {saved['world_size']} rank(s) (--nproc-per-node {saved['world_size']})"
             if [d for d in differ if d.startswith("world_size")] and len(differ) == 1 else
             "resume against the same cache and settings, or start over with a new --out (or --resume never)")

@@ -50,6 +50,12 @@ class TrainConfig:
     threads: int = field(0, "torch threads on CPU (0 = all cores / ranks)")
     trust_remote_code: bool = field(False, "allow model code from the student directory to run")
     progress: bool = field(True, "show a progress bar")
+    until_step: int = field(0, "end this run at this optimizer step as if it were the last one (final model "
+                                   "saved); the learning-rate schedule still spans --max-steps (0 = off; kdcache "
+                                   "onpolicy trains its rounds this way)")
+    new_cache: bool = field(False, "resume a checkpoint made on another cache: keep its model, optimizer, schedule, "
+                                   "step and RNG, and read this cache from its start (kdcache onpolicy's rounds); "
+                                   "a checkpoint of this cache resumes as usual")
     stop_after: int = field(0, "testing aid: behave as if SIGTERM arrived after this step (0 = off)")
 
     def __post_init__(self):
@@ -69,6 +75,8 @@ class TrainConfig:
             ("keep_checkpoints", self.keep_checkpoints >= 1, "must be >= 1"),
             ("prefetch", self.prefetch >= 1, "must be >= 1"),
             ("log_every", self.log_every >= 1, "must be >= 1"),
+            ("until_step", self.until_step >= 0, "must be >= 0"),
+            ("until_step", not (self.max_steps and self.until_step > self.max_steps), "must be <= max_steps"),
         ])
         if self.pack and not self.max_tokens:
             raise ConfigError("pack: needs max_tokens (the packed row length), e.g. --max-tokens 2048")

@@ -43,8 +43,10 @@ class Run:
     stage: int                 # ZeRO stage
     pad_id: int
     student_vocab: int
-    total_steps: int
+    total_steps: int           # the schedule's length
+    end_step: int = 0          # where this run stops: total_steps, or --until-step
     step: int = 0
+    fresh_reader: bool = True  # the reader starts at the cache's beginning (not resumed mid-cache)
     t_last: float = 0.0        # when the last step ended (throughput counts data loading too)
     out_lock: object = None    # rank 0's lock on --out (lock_out), held until the process ends
 
@@ -54,17 +56,18 @@ def train(cfg):
     run = setup(cfg)                                      # 1. processes, data, student, engine, resume
     metrics = Metrics(cfg.out, enabled=run.rank == 0, resume_step=run.step)
     stop = StopFlag().install()
-    bar = _progress(cfg, run.rank, run.total_steps, run.step)
-    batches, checked = run.stream.batches(), run.step > 0
-    resume_cmd, reason = _resume_hint(), "finished"
-    while run.step < run.total_steps:                     # 2. one optimizer step per window of micro-batches
+    bar = _progress(cfg, run.rank, run.end_step, run.step)
+    batches, checked = run.stream.batches(), not run.fresh_reader
+    resume_cmd = _resume_hint()
+    reason = "finished" if run.end_step == run.total_steps else f"until step {run.end_step}"
+    while run.step < run.end_step:                     # 2. one optimizer step per window of micro-batches
         window = next_window(run, batches, check_eos=not checked)
         if window is None:
             reason = "data exhausted"
             break
         checked = True
         row = optimizer_step(run, *window)
-        if run.step % cfg.log_every == 0 or run.step == run.total_steps:
+        if run.step % cfg.log_every == 0 or run.step == run.end_step:
             metrics.log(row)
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
@@ -138,15 +141,18 @@ def setup(cfg):
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg)
     run = Run(cfg, rank, world, stream, tok, engine, scheduler, stage,
               pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
-              student_vocab=student_vocab, total_steps=total_steps, out_lock=out_lock)
+              student_vocab=student_vocab, total_steps=total_steps, out_lock=out_lock,
+              end_step=min(cfg.until_step or total_steps, total_steps))
     ckpt = checkpoint.resolve_resume(cfg.out, cfg.resume)     # engine, optimizer, scheduler, RNG, reader position
     if ckpt:
-        checkpoint.check_order(ckpt, stream.order())
+        run.fresh_reader = checkpoint.check_order(ckpt, stream.order(), new_cache=cfg.new_cache)
         client, reader_state = checkpoint.load(engine, ckpt, rank)
         run.step = int(client["step"])
-        stream.load_state_dict(reader_state)
+        if not run.fresh_reader:
+            stream.load_state_dict(reader_state)
         if rank == 0:
-            print(f"resumed from {ckpt} at step {run.step}", flush=True)
+            print(f"resumed from {ckpt} at step {run.step}" + (" on a new cache, read from its start"
+                                                              if run.fresh_reader else ""), flush=True)
     if rank == 0:
         dump(cfg, os.path.join(cfg.out, "train_config.yaml"))
     run.t_last = time.perf_counter()

@@ -54,7 +54,7 @@ def _base_type(tp):
     return (typing.get_origin(tp) or tp), optional
 
 
-def _coerce(cls, name, value):
+def coerce(cls, name, value):
     hints = typing.get_type_hints(cls)
     tp, optional = _base_type(hints[name])
     if value is None:
@@ -101,7 +101,7 @@ def load(cls, path=None, overrides=None):
     for f in dataclasses.fields(cls):
         choices = f.metadata.get("choices")
         if f.name in values:
-            values[f.name] = _coerce(cls, f.name, values[f.name])
+            values[f.name] = coerce(cls, f.name, values[f.name])
             if choices and values[f.name] not in choices:
                 raise ConfigError(f"{f.name}: {values[f.name]!r} is not one of {list(choices)}")
     return cls(**values)

@@ -40,3 +40,16 @@ def test_an_older_checkpoint_without_an_order_still_checks_the_ranks(tmp_path):
     check_order(saved(tmp_path, world_size=2), dict(ORDER))
     with pytest.raises(TrainDataError, match="world_size"):
         check_order(saved(tmp_path, world_size=2), dict(ORDER, world_size=3))
+
+
+def test_new_cache_takes_another_caches_checkpoint_with_a_fresh_reader_but_no_other_change(tmp_path):
+    """--new-cache (kdcache onpolicy's rounds): another cache's checkpoint resumes with the reader at the start;
+    the same cache's resumes its reader as usual; another seed, shuffle or world size is still refused."""
+    path = saved(tmp_path, world_size=2, data=ORDER)
+    other = dict(ORDER, cache_fingerprint="e" * 64, shards_sha256="b" * 64, num_shards=3)
+    assert check_order(path, other, new_cache=True) is True
+    assert check_order(path, dict(ORDER), new_cache=True) is False
+    assert not check_order(path, dict(ORDER))
+    for key, value in (("seed", 1), ("shuffle", False), ("world_size", 1)):
+        with pytest.raises(TrainDataError, match=key):
+            check_order(path, dict(other, **{key: value}), new_cache=True)

@@ -1,0 +1,359 @@
+"""`kdcache onpolicy`: on-policy distillation in rounds, with the teacher never in the training loop.
+
+Round r: the current student (the initial one, then the previous round's) writes completions for the next P
+prompts (`kdcache precompute --mode generate --generator STUDENT`, its log-prob of each sampled token kept as
+behavior_logprobs); the teacher scores them into a cache in a store; the student trains N steps on that cache
+(`kdcache train --until-step --new-cache`), one optimizer, schedule and step count across every round.
+
+Each stage is a kdcache command that already resumes after kill -9, SIGTERM and SIGHUP. DIR/summary.json says
+which stages are done (written atomically after each), so the same command, rerun, goes on where it stopped:
+
+    DIR/onpolicy_config.yaml    the settings (a rerun with others is refused)
+    DIR/summary.json            {"rounds": [{"round", "prompts", "cache", "stage", "done", "teacher_tokens",
+                                 "steps": [first, last]}, ...]}
+    DIR/rounds/round-RRRR/      prompts.jsonl, precompute.yaml, train.yaml, cache.txt (the cache's location)
+    DIR/store/                  the round caches (or --store), each reusable by `kdcache train`
+    DIR/metrics.jsonl, DIR/checkpoints/, DIR/tensorboard/, DIR/final/    as `kdcache train --out DIR` writes them
+"""
+import argparse
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import yaml
+
+from kdcache.cache_format.errors import LockedError
+from kdcache.cache_format.lock import DirLock
+from kdcache.cache_format.manifest import load_manifest
+from kdcache.common.atomic import atomic_write_bytes
+from kdcache.common.config import add_flags, coerce, field, load, validate
+from kdcache.common.errors import ConfigError, KdcacheError
+from kdcache.common.signals import StopFlag
+from kdcache.pipeline.config import PrecomputeConfig
+from kdcache.train.config import TrainConfig
+
+SUMMARY, CONFIG, LOCK = "summary.json", "onpolicy_config.yaml", ".onpolicy.lock"
+WAIT_S = 900     # how long a rerun waits for the stages of a killed run to finish their checkpoint
+
+
+@dataclass
+class OnpolicyConfig:
+    teacher: str = field("", "teacher model directory, or the URL of a vLLM server (as kdcache precompute)")
+    student: str = field("", "initial student model directory: it writes round 1's completions")
+    data: str = field("", "prompts: records as in generate mode (.jsonl, .parquet, save_to_disk); the list cycles")
+    out: str = field("", "run directory: summary.json, rounds/, store/, checkpoints, metrics.jsonl, final/")
+    rounds: int = field(1, "rounds of rollout, scoring and training")
+    prompts_per_round: int = field(0, "prompts the student completes in each round")
+    steps_per_round: int = field(0, "optimizer steps on each round's cache")
+    store: str | None = field(None, "store of the round caches (default: OUT/store); a directory or a URL")
+
+    def __post_init__(self):
+        validate(self, required=("teacher", "student", "data", "out", "prompts_per_round", "steps_per_round"),
+                 checks=[("rounds", self.rounds >= 1, "must be >= 1"),
+                         ("prompts_per_round", self.prompts_per_round >= 1, "must be >= 1"),
+                         ("steps_per_round", self.steps_per_round >= 1, "must be >= 1")])
+
+
+# What the loop sets on each stage itself; every other precompute and train setting passes through.
+OWN_PRECOMPUTE = ("teacher", "data", "out", "store", "alias", "mode", "generator", "location_file")
+OWN_TRAIN = ("cache", "student", "out", "max_steps", "epochs", "until_step", "new_cache", "resume", "stop_after")
+STOP_AFTER = "KDCACHE_ONPOLICY_STOP_AFTER"     # testing aid: the trainer's --stop-after, in the round it falls in
+
+
+def _names(cls):
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def parse(argv):
+    """(OnpolicyConfig, precompute settings, train settings): flags over --config YAML; unknown keys refused."""
+    p = argparse.ArgumentParser(prog="kdcache onpolicy", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="YAML file with any of the settings below; flags override it")
+    add_flags(p, OnpolicyConfig)
+    own = _names(OnpolicyConfig)
+    add_flags(p, PrecomputeConfig, skip=own | set(OWN_PRECOMPUTE))
+    add_flags(p, TrainConfig, skip=own | set(OWN_TRAIN) | _names(PrecomputeConfig))
+    args = p.parse_args(argv)
+    values = {}
+    if args.config:
+        with open(args.config) as f:
+            values = yaml.safe_load(f) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{args.config}: expected a mapping of keys to values")
+    values.update({k: v for k, v in vars(args).items() if k != "config" and v is not None})
+    pre_keys = _names(PrecomputeConfig) - set(OWN_PRECOMPUTE) - own
+    train_keys = _names(TrainConfig) - set(OWN_TRAIN) - own
+    unknown = sorted(set(values) - own - pre_keys - train_keys)
+    if unknown:
+        raise ConfigError(f"unknown or loop-owned key(s): {', '.join(unknown)} (the loop sets "
+                          f"{', '.join(sorted(set(OWN_PRECOMPUTE) | set(OWN_TRAIN)))} on each stage itself)")
+    cfg = load(OnpolicyConfig, None, {k: v for k, v in values.items() if k in own})
+    pre = {k: coerce(PrecomputeConfig, k, v) for k, v in values.items() if k in pre_keys}
+    train = {k: coerce(TrainConfig, k, v) for k, v in values.items() if k in train_keys}
+    PrecomputeConfig(**dict(pre, teacher=cfg.teacher, data=cfg.data, out=cfg.out))   # their own checks, now
+    TrainConfig(**dict(train, cache="-", student=cfg.student, out=cfg.out))
+    return cfg, pre, train
+
+
+# ---------------------------------------------------------------------------- the loop
+def run(cfg, pre, train):
+    os.makedirs(cfg.out, exist_ok=True)
+    lock = _lock(cfg.out)
+    try:
+        _check_same_run(cfg, pre, train)
+        prompts = read_prompts(cfg.data)
+        stop = StopFlag().install()
+        summary = _load_summary(cfg.out)
+        for r in range(cfg.rounds):
+            entry = _entry(summary, r, cfg, len(prompts))
+            if stop and not entry["done"]:
+                return _stopped(stop, r, "between stages")
+            if entry["stage"] == "new":
+                _save_summary(cfg.out, summary)          # the round has begun
+                if not _rollout(cfg, pre, r, prompts, entry, stop, lock):
+                    return _stopped(stop, r, "rollout and scoring")
+                _save_summary(cfg.out, summary)
+            if entry["stage"] == "scored":
+                if stop:
+                    return _stopped(stop, r, "between stages")
+                if not _train(cfg, train, r, entry, stop, lock):
+                    return _stopped(stop, r, "training")
+                _save_summary(cfg.out, summary)
+        _print_summary(cfg, summary)
+        return 0
+    finally:
+        lock.release()
+
+
+def _rollout(cfg, pre, r, prompts, entry, stop, lock):
+    """Round r's completions by the current student, scored by the teacher into a cache. True when complete."""
+    d = _round_dir(cfg.out, r)
+    os.makedirs(d, exist_ok=True)
+    start = r * cfg.prompts_per_round
+    picked = [prompts[(start + i) % len(prompts)] for i in range(cfg.prompts_per_round)]
+    atomic_write_bytes(os.path.join(d, "prompts.jsonl"), "".join(line + "\n" for line in picked).encode())
+    where = os.path.join(d, "cache.txt")
+    stage = dict(pre, teacher=cfg.teacher, data=os.path.join(d, "prompts.jsonl"),
+                 out=cfg.store or os.path.join(cfg.out, "store"), store=True,
+                 alias=f"{os.path.basename(os.path.abspath(cfg.out))}-round-{r + 1}", mode="generate",
+                 generator=student_of_round(cfg, r), location_file=where,
+                 seed=int(pre.get("seed") or 0) + start)    # sample seeds: seed + the prompt's running number
+    _write_yaml(os.path.join(d, "precompute.yaml"), stage)
+    _say(f"round {r + 1}/{cfg.rounds}: {cfg.prompts_per_round} completions by {stage['generator']}, scored by "
+         f"{cfg.teacher}")
+    code = _stage(["precompute", "--config", os.path.join(d, "precompute.yaml")], stop, lock)
+    if code != 0:
+        raise KdcacheError(f"round {r + 1}: `kdcache precompute --config {d}/precompute.yaml` failed (exit "
+                           f"{code}; its output is above). Rerun this command to resume.")
+    with open(where) as f:
+        cache = f.read().strip()
+    m = load_manifest(cache)
+    if not m.complete:
+        return False
+    entry.update(cache=cache, stage="scored", teacher_tokens=int(m["counts"]["tokens"]))
+    return True
+
+
+def _train(cfg, train, r, entry, stop, lock):
+    """Round r's training: steps r*N+1 .. (r+1)*N on its cache, continuing the run in DIR. True when done."""
+    d, n = _round_dir(cfg.out, r), cfg.steps_per_round
+    until = (r + 1) * n
+    stage = dict(train, cache=entry["cache"], student=cfg.student, out=cfg.out, max_steps=cfg.rounds * n,
+                 until_step=until, new_cache=True, resume="auto")
+    stop_after = int(os.environ.get(STOP_AFTER, "0"))
+    if r * n < stop_after < until:
+        stage["stop_after"] = stop_after
+    _write_yaml(os.path.join(d, "train.yaml"), stage)
+    _say(f"round {r + 1}/{cfg.rounds}: training steps {r * n + 1}-{until} on {entry['cache']}")
+    code = _stage(["train", "--config", os.path.join(d, "train.yaml")], stop, lock)
+    if code != 0:
+        raise KdcacheError(f"round {r + 1}: `kdcache train --config {d}/train.yaml` failed (exit {code}; its "
+                           "output is above). Rerun this command to resume.")
+    try:
+        with open(os.path.join(cfg.out, "train_summary.json")) as f:
+            done = json.load(f)
+    except (OSError, ValueError):
+        return False
+    if done.get("step") != until:
+        return False
+    entry.update(stage="trained", done=True, steps=[r * n + 1, until])
+    return True
+
+
+def student_of_round(cfg, r):
+    """Who writes round r's completions: the initial student, then the last round's (DIR/final)."""
+    return cfg.student if r == 0 else os.path.join(cfg.out, "final")
+
+
+def read_prompts(path):
+    """The prompt records, one JSON text each: a JSONL file's non-blank lines as they are (precompute parses and
+    reports them), or each row of a Parquet file or save_to_disk directory."""
+    if os.path.isfile(path) and path.endswith((".jsonl", ".json", ".ndjson")):
+        with open(path, encoding="utf-8") as f:
+            rows = [line.rstrip("\r\n") for line in f if line.strip()]
+    else:
+        from kdcache.pipeline.data import iter_rows
+        rows = [json.dumps(row) for row in iter_rows(path)]
+    if not rows:
+        raise ConfigError(f"data: {path} holds no prompt records")
+    return rows
+
+
+# ---------------------------------------------------------------------------- the pieces
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_loop():
+    """In each stage, before exec: SIGTERM when this process dies, kill -9 included (Linux), so a stage never runs
+    on alone: it finishes the shard or step in hand, commits and exits."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        pass
+
+
+def _stage(args, stop, lock):
+    """Run `kdcache ARGS` in its own session (a terminal's signals reach the loop, which forwards them once) with
+    the run's lock inherited, so a rerun waits for it. Returns its exit status."""
+    proc = subprocess.Popen([sys.executable, "-m", "kdcache", *args], start_new_session=True,
+                            preexec_fn=_die_with_loop, pass_fds=(lock.fd,))
+    sent = False
+    while proc.poll() is None:
+        if stop.signal and not sent:
+            proc.send_signal(stop.signum)
+            sent = True
+        time.sleep(0.2)
+    return proc.returncode
+
+
+def _lock(out):
+    """Hold DIR for this run. Held by another live `kdcache onpolicy`: refused. Held only by the stages of one
+    that was killed (they inherit the lock and stop after their checkpoint): waited for."""
+    lock = RunLock(out, LOCK, refusal="Another `kdcache onpolicy` is running in this --out: wait for it, stop it, "
+                   "or pass another --out.")
+    deadline = None
+    while True:
+        try:
+            return lock.acquire()
+        except LockedError:
+            holder = _holder_pid(out)
+            if holder is not None and _alive(holder):
+                raise
+            if deadline is None:
+                deadline = time.time() + WAIT_S
+                _say(f"the stages of a stopped run in {out} are finishing their checkpoint; waiting for them")
+            if time.time() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+class RunLock(DirLock):
+    @property
+    def fd(self):
+        return self._fd
+
+
+def _holder_pid(out):
+    try:
+        with open(os.path.join(out, LOCK)) as f:
+            text = f.read().split()
+        return int(text[1]) if len(text) > 1 and text[0] == "pid" else None
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid != os.getpid()
+
+
+# Settings of how a stage runs, not of what it makes: a rerun may change them (a restarted cluster, more workers).
+RUNTIME = {"progress", "ray_address", "ray_pass_credentials", "workers", "worker_cpus", "worker_gpus", "threads",
+           "max_in_flight", "requests_in_flight", "prefetch", "log_every", "save_every", "keep_checkpoints"}
+
+
+def _check_same_run(cfg, pre, train):
+    """A rerun continues the run in DIR only with its settings (other rounds or steps would be another schedule)."""
+    path = os.path.join(cfg.out, CONFIG)
+    now = {"onpolicy": dataclasses.asdict(cfg),
+           "precompute": {k: v for k, v in pre.items() if k not in RUNTIME},
+           "train": {k: v for k, v in train.items() if k not in RUNTIME}}
+    if os.path.isfile(path):
+        with open(path) as f:
+            before = yaml.safe_load(f) or {}
+        differ = [f"{part}.{k}: {before.get(part, {}).get(k)!r} then, {now[part].get(k)!r} now"
+                  for part in now for k in sorted(set(now[part]) | set(before.get(part, {})))
+                  if now[part].get(k) != before.get(part, {}).get(k)]
+        if differ:
+            raise ConfigError(f"{cfg.out} holds an on-policy run with other settings ({'; '.join(differ)}). Rerun "
+                              "with the same settings to resume it, or pass another --out.")
+        return
+    atomic_write_bytes(path, yaml.safe_dump(now, sort_keys=True).encode())
+
+
+def _load_summary(out):
+    try:
+        with open(os.path.join(out, SUMMARY)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {"rounds": []}
+
+
+def _save_summary(out, summary):
+    atomic_write_bytes(os.path.join(out, SUMMARY), (json.dumps(summary, indent=1) + "\n").encode())
+
+
+def _entry(summary, r, cfg, n_prompts):
+    rounds = summary["rounds"]
+    while len(rounds) <= r:
+        k = len(rounds)
+        rounds.append({"round": k + 1, "prompts": [k * cfg.prompts_per_round % n_prompts, cfg.prompts_per_round],
+                       "cache": None, "stage": "new", "done": False, "teacher_tokens": 0, "steps": None})
+    return rounds[r]
+
+
+def _round_dir(out, r):
+    return os.path.join(out, "rounds", f"round-{r + 1:04d}")
+
+
+def _write_yaml(path, values):
+    atomic_write_bytes(path, yaml.safe_dump(values, sort_keys=False).encode())
+
+
+def _stopped(stop, r, what):
+    _say(f"stopped{' by ' + stop.signal if stop.signal else ''} in round {r + 1} ({what}); what was committed "
+         "is kept. Rerun the same command to resume.")
+    return 0
+
+
+def _print_summary(cfg, summary):
+    from kdcache.train.metrics import read_metrics
+    rows = {r["step"]: r for r in read_metrics(os.path.join(cfg.out, "metrics.jsonl"))}
+    print("\non-policy summary\n  round  teacher tokens  steps        last loss  cache")
+    for e in summary["rounds"][:cfg.rounds]:
+        last = rows.get((e.get("steps") or [0, 0])[1], {}).get("loss")
+        print(f"  {e['round']:>5}  {e['teacher_tokens']:>14,}  {str(e['steps']):<11}  "
+              f"{'' if last is None else f'{last:9.4f}':>9}  {e['cache']}")
+    print(f"  final student: {os.path.join(cfg.out, 'final')}", flush=True)
+
+
+def _say(msg):
+    print(f"[onpolicy] {msg}", flush=True)
+
+
+def main(argv=None):
+    cfg, pre, train = parse(sys.argv[2:] if argv is None else list(argv))
+    if not os.path.isfile(os.path.join(cfg.student, "config.json")):
+        raise ConfigError(f"student: {cfg.student} is not a model directory (no config.json): round 1's "
+                          "completions are its own")
+    return run(cfg, pre, train)

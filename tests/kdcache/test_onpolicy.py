@@ -1,0 +1,178 @@
+"""`kdcache onpolicy`: rounds of the student's own completions, scored by the teacher, trained on with one
+schedule; a loop killed in round 2 and rerun equals one that ran through."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from kdcache.cache_format import open_cache, verify_cache
+from kdcache.cache_format.manifest import load_manifest
+from kdcache.common.errors import ConfigError
+from tests.helpers.cli import on_shared_ray, user_env, user_project, write_jsonl
+
+pytestmark = [pytest.mark.ray, pytest.mark.deepspeed, pytest.mark.slow]
+
+ROUNDS, PROMPTS, STEPS = 2, 4, 6
+
+
+def _command(tmp, tiny, stopping, out):
+    data = write_jsonl(tmp / "prompts.jsonl", tiny["train"][:6])
+    args = ["--teacher", stopping["sampled"], "--student", tiny["teacher"], "--data", data, "--out", out,
+            "--rounds", ROUNDS, "--prompts-per-round", PROMPTS, "--steps-per-round", STEPS, "--batch-size", 2,
+            "--gen-max-new-tokens", 10, "--gen-temperature", 0, "--top-k", 8, "--logprob-dtype", "float32",
+            "--backend", "hf", "--shard-size", 2, "--save-every", 1, "--warmup-steps", 2, "--no-progress",
+            "--worker-cpus", "0.5"]
+    args, env = on_shared_ray(args, user_env(RAY_ADDRESS=""))
+    return [sys.executable, "-m", "kdcache", "onpolicy", *map(str, args)], env
+
+
+def _run(cmd, env, timeout=600):
+    return subprocess.run(cmd, cwd=user_project(), env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _summary(out):
+    with open(os.path.join(out, "summary.json")) as f:
+        return json.load(f)
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def straight(tiny, stopping, tmp_path_factory):
+    """One loop that ran through: (out, command, env, prompt rows)."""
+    tmp = tmp_path_factory.mktemp("onpolicy")
+    out = str(tmp / "run")
+    cmd, env = _command(tmp, tiny, stopping, out)
+    res = _run(cmd, env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "on-policy summary" in res.stdout
+    return out, tmp
+
+
+def test_rounds_train_on_the_students_own_completions_with_one_schedule(straight, tiny):
+    from kdcache.pipeline.teacher_hf import HFTeacher
+    from kdcache.train.config import TrainConfig
+    from kdcache.train.trainer import lr_lambda
+    out, tmp = straight
+    s = _summary(out)
+    assert [e["round"] for e in s["rounds"]] == [1, 2] and all(e["done"] for e in s["rounds"])
+    assert [e["steps"] for e in s["rounds"]] == [[1, STEPS], [STEPS + 1, 2 * STEPS]]
+    caches = [e["cache"] for e in s["rounds"]]
+    assert all(c.startswith(os.path.join(out, "store")) for c in caches) and len(set(caches)) == 2
+    for e in s["rounds"]:
+        assert verify_cache(e["cache"]).ok
+        assert e["teacher_tokens"] == load_manifest(e["cache"])["counts"]["tokens"] > 0
+    # the prompt list cycles: round 2 completes records 4, 5, 0, 1 of the six
+    lines = open(tmp / "prompts.jsonl").read().splitlines()
+    assert open(os.path.join(out, "rounds", "round-0002", "prompts.jsonl")).read().splitlines() == \
+        [lines[4], lines[5], lines[0], lines[1]]
+    # round 1's completions are the initial student's own greedy ones; round 2's come from another model
+    first, second = open_cache(caches[0]), open_cache(caches[1])
+    assert first.manifest["meta"]["generator"]["model"] == os.path.basename(tiny["teacher"])
+    assert second.manifest["meta"]["generator"]["model"] == "final"
+    student, eos = HFTeacher(tiny["teacher"], dtype="float32"), set(first.eos_token_ids)
+    recs = list(first)
+    assert len(recs) == PROMPTS
+    for r in recs:
+        prompt = r.input_ids[:r.positions[0] + 1]
+        new, ended, _ = student.generate([prompt], max_new_tokens=[10], temperature=0.0, top_p=1.0, seeds=[0],
+                                         turn_ends=eos, logprobs=True)[0]
+        assert r.input_ids[len(prompt):].tolist() == new and r.truncated == (not ended)
+        assert r.behavior_logprobs is not None
+    gen = [m["fingerprint_parts"]["capture"]["generator"] for m in (first.manifest, second.manifest)]
+    assert gen[0] != gen[1]
+    # one optimizer step count and one learning-rate schedule over both rounds (not restarted in round 2)
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 2 * STEPS + 1))
+    f = lr_lambda(TrainConfig(cache="-", student="-", out="-", warmup_steps=2), 2 * STEPS)
+    np.testing.assert_allclose([r["lr"] for r in rows], [5e-4 * f(r["step"]) for r in rows], rtol=1e-6)
+    final = os.path.join(out, "final")
+    assert os.path.isfile(os.path.join(final, "config.json"))
+    gen_cfg = json.load(open(os.path.join(final, "generation_config.json")))
+    assert sorted(np.atleast_1d(gen_cfg["eos_token_id"]).tolist()) == sorted(eos)
+
+
+def _wait(predicate, proc, what, timeout=300):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the loop ended (exit {proc.returncode}) before {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _committed(path_file):
+    try:
+        with open(path_file) as f:
+            return len(load_manifest(f.read().strip()).shards)
+    except (OSError, ValueError, KeyError, Exception):
+        return 0
+
+
+def test_a_loop_killed_in_round_two_and_rerun_equals_one_that_ran_through(straight, tiny, stopping):
+    """kill -9 of the loop and its precompute stage mid-rollout of round 2, then a hang-up mid-training of round 2,
+    then a rerun: every per-step loss, each round cache and the final weights equal the uninterrupted run's."""
+    ref_out, tmp = straight
+    out = str(tmp / "killed")
+    cmd, env = _command(tmp, tiny, stopping, out)
+    round2 = os.path.join(out, "rounds", "round-0002")
+    # 1. kill -9 while round 2's cache has one of its two shards
+    proc = subprocess.Popen(cmd, cwd=user_project(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    _wait(lambda: _committed(os.path.join(round2, "cache.txt")) >= 1, proc, "round 2's first shard")
+    stages = psutil.Process(proc.pid).children()
+    proc.kill()
+    for st in stages:
+        os.killpg(st.pid, signal.SIGKILL)
+    proc.wait()
+    assert _committed(os.path.join(round2, "cache.txt")) == 1               # the fault landed mid-rollout
+    assert [e["stage"] for e in _summary(out)["rounds"]] == ["trained", "new"]
+    # 2. rerun; a hang-up once round 2 has trained its first step
+    proc = subprocess.Popen(cmd, cwd=user_project(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    _wait(lambda: os.path.isfile(os.path.join(out, "metrics.jsonl"))
+          and any(r["step"] > STEPS for r in _metrics(out)), proc, "round 2's first step")
+    proc.send_signal(signal.SIGHUP)
+    text, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, text[-3000:]
+    assert "stopped by SIGHUP in round 2 (training)" in text, text[-3000:]
+    assert [e["stage"] for e in _summary(out)["rounds"]] == ["trained", "scored"]   # landed mid-training
+    assert max(r["step"] for r in _metrics(out)) < 2 * STEPS
+    # 3. rerun to the end
+    res = _run(cmd, env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    want, got = _metrics(ref_out), _metrics(out)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    assert [(r["loss"], r["kd"]) for r in got] == [(r["loss"], r["kd"]) for r in want]
+    fps = [[load_manifest(e["cache"]).fingerprint for e in _summary(o)["rounds"]] for o in (ref_out, out)]
+    assert fps[0] == fps[1]
+    from safetensors.numpy import load_file
+    a, b = (load_file(os.path.join(o, "final", "model.safetensors")) for o in (ref_out, out))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_rerun_with_other_settings_or_a_bad_student_is_refused(tiny, tmp_path):
+    from kdcache import onpolicy
+    data = write_jsonl(tmp_path / "p.jsonl", tiny["train"][:2])
+    base = ["--teacher", tiny["teacher"], "--student", tiny["teacher"], "--data", data, "--out", str(tmp_path / "o"),
+            "--prompts-per-round", "2", "--steps-per-round", "2"]
+    cfg, pre, train = onpolicy.parse(base + ["--beta", "0.5", "--top-k", "8"])
+    assert pre == {"top_k": 8} and train == {"beta": 0.5}
+    os.makedirs(cfg.out)
+    onpolicy._check_same_run(cfg, pre, train)
+    onpolicy._check_same_run(*onpolicy.parse(base + ["--beta", "0.5", "--top-k", "8", "--no-progress"]))
+    with pytest.raises(ConfigError, match=r"train\.beta: 0\.5 then, 0\.0 now"):
+        onpolicy._check_same_run(*onpolicy.parse(base + ["--beta", "0", "--top-k", "8"]))
+    with pytest.raises(ConfigError, match="beta"):
+        onpolicy.parse(base + ["--beta", "2"])              # the stage's own checks run before any stage starts
+    with pytest.raises(SystemExit):
+        onpolicy.parse(base + ["--max-steps", "9"])         # the loop sets it: no such flag
+    with pytest.raises(ConfigError, match="not a model directory"):
+        onpolicy.main(base[:2] + ["--student", str(tmp_path)] + base[4:])
