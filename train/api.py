@@ -17,22 +17,26 @@ def _at_positions(x, batch):
 
 
 def kd_loss(logits: torch.Tensor, batch: Batch, *, beta=0.0, temperature=1.0, tail="tail", sft_alpha=0.0,
-            reduction="mean"):
+            reduction="mean", objective="gkd"):
     """The distillation loss of the student's logits against the cached teacher.
 
     logits: (R, T, V) as the model returns them for batch.input_ids, or (N, V) at the trained positions.
     reduction: "mean" over the N positions (0 when N is 0) or "sum" (the trainer divides sums by the number
     of positions of the whole optimizer step, across accumulation and ranks).
+    objective: "gkd", or "token-rkl" (reverse KL on the sampled tokens, importance-weighted by the batch's
+    behavior_logprobs where it has them; train/losses.py token_rkl_per_position).
     """
-    cfg = LossConfig(beta=beta, temperature=temperature, tail=tail, sft_alpha=sft_alpha)
-    loss, _ = kd_loss_from_logits(_at_positions(logits, batch), batch.topk_ids.to(logits.device),
-                                  batch.topk_logprobs.to(logits.device), batch.tail_mass.to(logits.device),
-                                  batch.targets.to(logits.device), cfg)
+    cfg = LossConfig(beta=beta, temperature=temperature, tail=tail, sft_alpha=sft_alpha, objective=objective)
+    dev = logits.device
+    loss, _ = kd_loss_from_logits(_at_positions(logits, batch), batch.topk_ids.to(dev), batch.topk_logprobs.to(dev),
+                                  batch.tail_mass.to(dev), batch.targets.to(dev), cfg, _on(batch.target_logprobs, dev),
+                                  _on(batch.behavior_logprobs, dev))
     return _reduce(loss, batch, reduction)
 
 
 def kd_loss_chunked(hidden: torch.Tensor, lm_head: torch.nn.Module, batch: Batch, *, beta=0.0, temperature=1.0,
-                    tail="tail", sft_alpha=0.0, chunk_size=1024, logit_transform=None, reduction="mean"):
+                    tail="tail", sft_alpha=0.0, chunk_size=1024, logit_transform=None, reduction="mean",
+                    objective="gkd"):
     """kd_loss of lm_head(hidden), fused and chunked: at most one [chunk_size, V] block of float32 logits exists
     at a time, in the forward pass and the backward (the gradient is taken chunk by chunk in the forward).
 
@@ -41,12 +45,19 @@ def kd_loss_chunked(hidden: torch.Tensor, lm_head: torch.nn.Module, batch: Batch
     applies after lm_head (see kdcache.heads.logit_transform(model.config): Gemma 2 soft-capping, Cohere and
     Granite scaling), or None.
     """
-    cfg = LossConfig(beta=beta, temperature=temperature, tail=tail, sft_alpha=sft_alpha, chunk_size=chunk_size)
+    cfg = LossConfig(beta=beta, temperature=temperature, tail=tail, sft_alpha=sft_alpha, chunk_size=chunk_size,
+                     objective=objective)
     dev = hidden.device
     loss, _ = chunked_kd_loss(_at_positions(hidden, batch), lm_head.weight, batch.topk_ids.to(dev),
                               batch.topk_logprobs.to(dev), batch.tail_mass.to(dev), batch.targets.to(dev), cfg,
-                              lm_head_bias=getattr(lm_head, "bias", None), logit_transform=logit_transform)
+                              lm_head_bias=getattr(lm_head, "bias", None), logit_transform=logit_transform,
+                              target_logprobs=_on(batch.target_logprobs, dev),
+                              behavior_logprobs=_on(batch.behavior_logprobs, dev))
     return _reduce(loss, batch, reduction)
+
+
+def _on(x, device):
+    return None if x is None else x.to(device)
 
 
 def _reduce(loss_sum, batch, reduction):

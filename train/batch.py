@@ -29,6 +29,9 @@ class Batch:
     truncated: list                      # [bool] per record
     stream_state: dict | None = None     # records from kdcache.CacheDataset: where its stream stands after this
     #                                      batch (CacheDataset.mark_trained takes it); None otherwise
+    target_logprobs: torch.Tensor | None = None    # float32 (N,) the teacher's log-prob of each target, NaN unknown
+    behavior_logprobs: torch.Tensor | None = None  # float32 (N,) the log-prob each target was sampled with (generate
+    #                                                mode with --generator), NaN unknown; None when no record has it
 
     @property
     def n_positions(self):
@@ -114,10 +117,10 @@ def collate(records, *, pad_id, student_vocab, pack_len=0) -> Batch:
     tlp = np.concatenate([r.topk_logprobs for r in records]).astype(np.float32)
     tail = np.concatenate([r.tail_mass for r in records]).astype(np.float32)
     targets = ids[bidx, pos + 1]
-    if any(r.target_logprobs is not None for r in records):
-        target_lp = np.concatenate([np.full(len(r.positions), np.nan, np.float32) if r.target_logprobs is None
-                                    else r.target_logprobs for r in records])
+    target_lp = _per_position(records, "target_logprobs")
+    if target_lp is not None:
         tid, tlp, tail = with_target(tid, tlp, tail, targets, target_lp)
+    behavior_lp = _per_position(records, "behavior_logprobs")
     # Explicit rule for padded vocabularies (e.g. 152064 teacher rows vs 151936 student rows): teacher ids
     # the student cannot represent leave the support and their mass joins the tail bucket.
     outside = tid >= student_vocab
@@ -133,4 +136,15 @@ def collate(records, *, pad_id, student_vocab, pack_len=0) -> Batch:
         targets=as_t(targets), topk_ids=as_t(tid), topk_logprobs=as_t(tlp), tail_mass=as_t(tail),
         n_tokens=int(mask.sum()), n_outside_vocab=n_outside,
         sample_ids=[r.sample_id for r in records], truncated=[r.truncated for r in records],
-        stream_state=getattr(records[-1], "stream_state", None) if records else None)
+        stream_state=getattr(records[-1], "stream_state", None) if records else None,
+        target_logprobs=None if target_lp is None else as_t(target_lp),
+        behavior_logprobs=None if behavior_lp is None else as_t(behavior_lp))
+
+
+def _per_position(records, name):
+    """float32 [N] of an optional per-position column over the records, NaN where a record lacks it; None when
+    none has it."""
+    if all(getattr(r, name, None) is None for r in records):
+        return None
+    return np.concatenate([np.full(len(r.positions), np.nan, np.float32) if getattr(r, name, None) is None
+                           else np.asarray(getattr(r, name), np.float32) for r in records])

@@ -13,6 +13,11 @@ class TrainConfig:
     out: str = field("", "output directory: checkpoints, metrics, final model")
     tokenizer: str | None = field(None, "student tokenizer directory (default: the student directory)")
     # loss
+    objective: str = field("gkd", "gkd: generalized JSD over the cached top-k and tail (--beta, --temperature, "
+                                  "--tail); token-rkl: reverse KL on each sampled token, log S(y) - log T(y) as a "
+                                  "negative advantage, importance-weighted by the stored behaviour log-probs (on-"
+                                  "policy caches; needs only the teacher's target log-probs)",
+                           choices=("gkd", "token-rkl"))
     beta: float = field(0.0, "generalized JSD beta: 0 forward KL(T||S), 1 reverse KL(S||T)")
     temperature: float = field(1.0, "distillation temperature tau (loss scaled by tau^2)")
     tail: str = field("tail", "teacher mass outside top-k: tail bucket, or renorm over the top-k",
@@ -84,8 +89,9 @@ class TrainConfig:
             raise ConfigError(f"deepspeed: {self.deepspeed!r} must be a ZeRO stage 0-3 or a .json config file")
         self.loss_config()    # the loss's own checks: beta, temperature, tail, sft_alpha
 
-    def loss_config(self, vocab_size: int = 32000) -> LossConfig:
-        """The loss settings; --loss-chunk 0 resolved for the student's vocabulary."""
+    def loss_config(self, vocab_size: int = 32000, importance: bool = True) -> LossConfig:
+        """The loss settings; --loss-chunk 0 resolved for the student's vocabulary. importance: whether token-rkl
+        weights by the behaviour log-probs (not for greedy completions, whose behaviour policy is a point mass)."""
         chunk = self.loss_chunk or default_chunk(vocab_size)
         return LossConfig(beta=self.beta, temperature=self.temperature, tail=self.tail, sft_alpha=self.sft_alpha,
-                          chunk_size=chunk)
+                          chunk_size=chunk, objective=self.objective, importance=importance)

@@ -41,6 +41,9 @@ def default_chunk(vocab_size: int) -> int:
     return int(min(4096, max(32, 2 ** (rows.bit_length() - 1))))
 
 
+OBJECTIVES = ("gkd", "token-rkl")
+
+
 @dataclass
 class LossConfig:
     beta: float = 0.0  # 0 forward KL, 1 reverse KL, between: generalized JSD
@@ -48,9 +51,16 @@ class LossConfig:
     tail: str = "tail"  # "tail" or "renorm"
     sft_alpha: float = 0.0
     chunk_size: int = 1024  # positions per chunk in the chunked loss
+    objective: str = "gkd"  # "gkd" over the cached top-k, or "token-rkl" on the sampled tokens (token_rkl_per_position)
+    importance: bool = True  # token-rkl: weight by p_S / behaviour where behaviour log-probs are given
 
     def __post_init__(self):
         checks = [
+            ("objective", self.objective in OBJECTIVES, f"one of {list(OBJECTIVES)}"),
+            ("temperature", self.objective == "gkd" or self.temperature == 1.0,
+             "1 with the token-rkl objective (it scores the sampled tokens at temperature 1)"),
+            ("beta", self.objective == "gkd" or self.beta == 0.0,
+             "0 with the token-rkl objective (it has no mixture; beta is GKD's)"),
             ("beta", _is_real(self.beta) and 0.0 <= self.beta <= 1.0, "a number in [0, 1]"),
             ("temperature", _is_real(self.temperature) and self.temperature > 0, "a finite number > 0"),
             ("tail", self.tail in ("tail", "renorm"), "'tail' or 'renorm'"),
@@ -211,10 +221,37 @@ def gkd_per_position(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Te
     return _generalized_jsd(log_t, log_s, valid, cfg.beta) * cfg.temperature**2
 
 
-def _loss_sums(student_logits, topk_ids, topk_logprobs, tail_mass, targets, cfg) -> tuple[Tensor, Tensor, Tensor]:
+def token_rkl_per_position(logp: Tensor, targets: Tensor, target_logprobs: Tensor,
+                           behavior_logprobs: Tensor | None) -> Tensor:
+    """Reverse KL(S || T) estimated on the sampled tokens, [N] float32 (on-policy distillation as in
+    tinker-cookbook's train_on_policy: the per-token log-ratio as a negative advantage).
+
+    Each position n holds a token y_n that a behaviour policy mu sampled (the student of a past round). The value
+    is w_n * (log S(y_n) - log T(y_n)) with the log-ratio detached and w_n = S(y_n) / mu(y_n) (1 in value when
+    S is mu), so the gradient, sum_n w_n (log S(y_n) - log T(y_n)) grad log S(y_n), is the importance-weighted
+    score-function gradient of E_S[log S - log T] (the E_S[grad log S] term is zero). behavior_logprobs None or
+    NaN: mu is the student itself (w_n = 1, gradient kept). Needs only T(y_n): the cache's target log-probs.
+    """
+    s = logp.gather(1, targets.long().clamp_min(0)[:, None]).squeeze(1)                  # [N], with grad
+    mu = s.detach()
+    if behavior_logprobs is not None:
+        b = behavior_logprobs.float()
+        mu = torch.where(torch.isfinite(b), b, mu)
+    advantage = (s.detach() - target_logprobs.float()).nan_to_num(0.0)
+    return torch.exp(s - mu) * advantage
+
+
+def _loss_sums(student_logits, topk_ids, topk_logprobs, tail_mass, targets, cfg, target_logprobs=None,
+               behavior_logprobs=None) -> tuple[Tensor, Tensor, Tensor]:
     """(loss sum with grad, detached KD sum, detached CE sum), each 0-dim."""
     logp = _student_logp(student_logits)
-    kd = gkd_per_position(student_logits, topk_ids, topk_logprobs, tail_mass, cfg, logp=logp).sum()
+    if cfg.objective == "token-rkl":
+        if target_logprobs is None:
+            raise ConfigError("objective token-rkl: the batch has no teacher target log-probs (a format-1 cache?)")
+        kd = token_rkl_per_position(logp, targets, target_logprobs,
+                                    behavior_logprobs if cfg.importance else None).sum()
+    else:
+        kd = gkd_per_position(student_logits, topk_ids, topk_logprobs, tail_mass, cfg, logp=logp).sum()
     tgt = targets.long()
     # The KD log-softmax (temperature 1) is the CE one: gather instead of a second [N, V] pass.
     ce_terms = -logp.gather(1, tgt.clamp_min(0)[:, None]).squeeze(1).masked_fill(tgt < 0, 0.0)
@@ -224,14 +261,17 @@ def _loss_sums(student_logits, topk_ids, topk_logprobs, tail_mass, targets, cfg)
 
 
 def kd_loss_from_logits(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, tail_mass: Tensor,
-                        targets: Tensor, cfg: LossConfig) -> tuple[Tensor, dict]:
+                        targets: Tensor, cfg: LossConfig, target_logprobs: Tensor | None = None,
+                        behavior_logprobs: Tensor | None = None) -> tuple[Tensor, dict]:
     """(sum_n kd_n + sft_alpha * ce_n, parts). Sums, not means: the trainer divides by the global position count.
 
-    student_logits [N, V], topk_ids/topk_logprobs [N, k], tail_mass [N], targets [N].
+    student_logits [N, V], topk_ids/topk_logprobs [N, k], tail_mass [N], targets [N]; target_logprobs and
+    behavior_logprobs [N] (NaN where unknown): used by the token-rkl objective only.
     parts: {"kd": float, "sft": float (the CE sum, logged even when sft_alpha == 0), "positions": N}.
     With N == 0 the loss is a zero that is still connected to student_logits, so backward() works.
     """
-    loss, kd, ce = _loss_sums(student_logits, topk_ids, topk_logprobs, tail_mass, targets, cfg)
+    loss, kd, ce = _loss_sums(student_logits, topk_ids, topk_logprobs, tail_mass, targets, cfg, target_logprobs,
+                              behavior_logprobs)
     return loss, {"kd": float(kd), "sft": float(ce), "positions": int(student_logits.shape[0])}
 
 
@@ -244,7 +284,8 @@ class _FusedChunks(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, topk_ids, topk_logprobs, tail_mass, targets, cfg, transform, grad_mode):
+    def forward(ctx, hidden, weight, bias, topk_ids, topk_logprobs, tail_mass, targets, cfg, transform, grad_mode,
+                target_logprobs, behavior_logprobs):
         # grad_mode: whether autograd records at the call (inside forward it never does); under torch.no_grad()
         # (an eval pass) no gradient is built, whatever the inputs' requires_grad.
         need = grad_mode and any(ctx.needs_input_grad[:3])
@@ -258,7 +299,9 @@ class _FusedChunks(torch.autograd.Function):
             sl = slice(lo, lo + cfg.chunk_size)
             hc = h32[sl]
             z = F.linear(hc, w32, b32)  # [c, V] float32: lm_head's output
-            args = (topk_ids[sl], topk_logprobs[sl], tail_mass[sl], targets[sl], cfg)
+            args = (topk_ids[sl], topk_logprobs[sl], tail_mass[sl], targets[sl], cfg,
+                    None if target_logprobs is None else target_logprobs[sl],
+                    None if behavior_logprobs is None else behavior_logprobs[sl])
             if need:
                 z.requires_grad_(True)
                 with torch.enable_grad():
@@ -282,12 +325,14 @@ class _FusedChunks(torch.autograd.Function):
         gh, gw, gb = ctx.saved_tensors
         dh, dw, db = ctx.dtypes
         return ((gh * g_loss).to(dh) if gh is not None else None, (gw * g_loss).to(dw) if gw is not None else None,
-                (gb * g_loss).to(db) if gb is not None else None, None, None, None, None, None, None, None)
+                (gb * g_loss).to(db) if gb is not None else None, None, None, None, None, None, None, None, None,
+                None)
 
 
 def chunked_kd_loss(hidden: Tensor, lm_head_weight: Tensor, topk_ids: Tensor, topk_logprobs: Tensor,
                     tail_mass: Tensor, targets: Tensor, cfg: LossConfig,
-                    lm_head_bias: Tensor | None = None, logit_transform=None) -> tuple[Tensor, dict]:
+                    lm_head_bias: Tensor | None = None, logit_transform=None, target_logprobs: Tensor | None = None,
+                    behavior_logprobs: Tensor | None = None) -> tuple[Tensor, dict]:
     """kd_loss_from_logits(f(hidden @ W.T + b), ...) computed cfg.chunk_size positions at a time.
 
     hidden [N, H], lm_head_weight [V, H], lm_head_bias [V] or None; the rest as in kd_loss_from_logits.
@@ -300,8 +345,9 @@ def chunked_kd_loss(hidden: Tensor, lm_head_weight: Tensor, topk_ids: Tensor, to
     if n == 0:
         z = F.linear(hidden.float(), lm_head_weight.float(), None if lm_head_bias is None else lm_head_bias.float())
         return kd_loss_from_logits(logit_transform(z) if logit_transform else z, topk_ids, topk_logprobs,
-                                   tail_mass, targets, cfg)
+                                   tail_mass, targets, cfg, target_logprobs, behavior_logprobs)
     loss, kd, ce = _FusedChunks.apply(hidden, lm_head_weight, lm_head_bias, topk_ids, topk_logprobs, tail_mass,
-                                      targets, cfg, logit_transform, torch.is_grad_enabled())
+                                      targets, cfg, logit_transform, torch.is_grad_enabled(), target_logprobs,
+                                      behavior_logprobs)
     return loss, {"kd": float(kd), "sft": float(ce), "positions": int(n)}
 

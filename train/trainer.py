@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kdcache.cache_format.lock import DirLock
@@ -127,7 +128,8 @@ def setup(cfg):
     student_vocab = model.get_input_embeddings().weight.shape[0]      # before ZeRO-3 partitions it
     ds_cfg = deepspeed_config(cfg)
     stage = ds_cfg.get("zero_optimization", {}).get("stage", 0)
-    module = DistillModule(model, cfg.loss_config(student_vocab), zero3=stage == 3)
+    module = DistillModule(model, cfg.loss_config(student_vocab, importance=sampled(stream.cache.manifest)),
+                           zero3=stage == 3)
     # One step count for every rank: rank shares differ by a sample, and a rank with an extra step would run a
     # schedule of its own and call collectives the others never join. Counted from the micro-batches the
     # stream really yields (under --max-tokens they hold fewer than --batch-size samples).
@@ -169,6 +171,8 @@ def next_window(run, batches, check_eos):
         records, position = nxt
         if check_eos and not window:
             check_records(records, set(run.stream.cache.eos_token_ids), cfg.require_eos, cfg.cache)
+            if cfg.objective == "token-rkl":
+                check_target_logprobs(records, cfg.cache)
         window.append(collate(records, pad_id=run.pad_id, student_vocab=run.student_vocab,
                               pack_len=cfg.max_tokens if cfg.pack else 0))
     have, = all_reduce([1.0 if len(window) == cfg.grad_accum else 0.0], op="min")
@@ -319,6 +323,23 @@ def check_records(records, turn_ends, require_eos, cache_dir):
                 f"{cache_dir}: sample {rec.sample_id} has no position predicting an end-of-turn token "
                 f"{sorted(turn_ends)}; a student trained on this cache will not learn to stop. Pass --no-require-eos "
                 "to train anyway.")
+
+
+def check_target_logprobs(records, cache_dir):
+    """The token-rkl objective needs the teacher's log-prob of every trained target."""
+    for rec in records:
+        lp = rec.target_logprobs
+        if lp is None or not np.isfinite(lp).all():
+            raise TrainDataError(f"{cache_dir}: sample {rec.sample_id} lacks the teacher's log-prob of some targets "
+                                 "(a format-1 cache, or a writer that did not know them); --objective token-rkl "
+                                 "needs them all. Use --objective gkd, or a cache written by kdcache precompute.")
+
+
+def sampled(manifest):
+    """Whether the cache's completions were sampled (generate mode at a temperature > 0), so that its behaviour
+    log-probs are a distribution's and importance weights mean something."""
+    capture = manifest.get("fingerprint_parts", {}).get("capture", {})
+    return float(capture.get("temperature") or 0.0) > 0
 
 
 def save(run):

@@ -363,7 +363,7 @@ def test_chunked_peak_memory_does_not_grow_with_n(monkeypatch):
     small, large = peak_vocab_elements(32, v=v), peak_vocab_elements(128, v=v)
     assert 0 < small == large < 128 * v
     # ... and the measurement does notice when the chunking is taken away (all N logits at once).
-    def unchunked(hidden, weight, bias, ids, lp, tail, targets, cfg, transform=None, grad_mode=True):
+    def unchunked(hidden, weight, bias, ids, lp, tail, targets, cfg, transform=None, grad_mode=True, *_):
         loss, parts = losses.kd_loss_from_logits(hidden @ weight.T, ids, lp, tail, targets, cfg)
         return loss, torch.tensor(parts["kd"]), torch.tensor(parts["sft"])
 
