@@ -274,7 +274,7 @@ def validate_manifest(m, where):
         bad(f"top_p must be null or a number in (0, 1], found {top_p!r}")
     for key, ok, need in [
         ("backend", isinstance(m["backend"], str), "a string"),
-        ("top_k", _count(m["top_k"], 1), "a positive integer"),
+        ("top_k", _count(m["top_k"]), "an integer >= 0"),
         ("vocab_size", _count(m["vocab_size"], 1), "a positive integer"),
         ("eos_token_ids", isinstance(m["eos_token_ids"], list) and m["eos_token_ids"]
          and all(_count(t) and t < m["vocab_size"] for t in m["eos_token_ids"]), "a non-empty list of token ids"),

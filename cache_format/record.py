@@ -110,7 +110,9 @@ def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True, 
         bad(f"tail_mass must be [{P}], got {tail.shape}")
     if pos[0] < 0 or pos[-1] > T - 2 or (P > 1 and np.any(np.diff(pos) <= 0)):
         bad(f"positions must be strictly increasing within [0, {T - 2}]")
-    if not used[:, 0].all() or (top_k > 1 and np.any(used[:, 1:] & ~used[:, :-1])) or np.any(tid < -1):
+    if top_k == 0 and (rec.target_logprobs is None or not np.isfinite(rec.target_logprobs).all()):
+        bad("a cache with top_k 0 stores only the target log-probs: every position needs one")
+    if top_k and (not used[:, 0].all() or (top_k > 1 and np.any(used[:, 1:] & ~used[:, :-1])) or np.any(tid < -1)):
         bad("every position needs at least one top-k entry, and only trailing slots may be unused (id -1)")
     if not ragged and not used.all():
         p = int(np.flatnonzero(~used.all(axis=1))[0])
@@ -121,9 +123,9 @@ def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True, 
         if dup.any():
             p = int(np.flatnonzero(dup.any(axis=1))[0])
             bad(f"position {pos[p]} lists token id {int(srt[p, 1:][dup[p]][0])} twice in its top-{top_k}")
-    if ids.min() < 0 or ids.max() >= vocab_size or tid.max() >= vocab_size:
+    if ids.min() < 0 or ids.max() >= vocab_size or (top_k and tid.max() >= vocab_size):
         bad(f"token ids must lie in [0, {vocab_size})")
-    if not np.all(np.isfinite(tlp[used])) or tlp[used].max() > 1e-4:
+    if top_k and (not np.all(np.isfinite(tlp[used])) or tlp[used].max() > 1e-4):
         bad("topk_logprobs must be finite and <= 0")
     mass = np.exp(np.where(used, tlp, -np.inf).astype(np.float64)).sum(axis=1)
     if mass_tol is not None and mass.max() > 1 + mass_tol:

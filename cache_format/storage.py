@@ -46,8 +46,8 @@ class Storage:
         object.__setattr__(self, "top_k", int(self.top_k))
         if self.top_p is not None:
             object.__setattr__(self, "top_p", float(self.top_p))
-        if self.top_k < 1:
-            raise CacheError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_k < 0:
+            raise CacheError(f"top_k must be >= 0 (0: no entries, only the target log-probs), got {self.top_k}")
         if self.logprob_dtype not in LOGPROB_DTYPES:
             raise CacheError(f"logprob_dtype must be one of {LOGPROB_DTYPES}, got {self.logprob_dtype!r}")
         if self.codec not in mod.CODECS:

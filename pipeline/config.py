@@ -24,7 +24,8 @@ class PrecomputeConfig:
     location_file: str | None = field(None, "write the cache's path or URL to this file as soon as it is known (for "
                                             "scripts that run a job into a store; kdcache onpolicy does)")
     tokenizer: str | None = field(None, "tokenizer directory (default: the teacher's; required for a served teacher)")
-    top_k: int = field(64, "teacher log-probs kept per position")
+    top_k: int = field(64, "teacher log-probs kept per position (0: none, only each target's own log-prob, all that "
+                               "kdcache train --objective token-rkl reads)")
     backend: str = field("auto", "teacher backend: vllm, hf, served (a URL teacher), or auto: served for a URL, "
                                  "vllm with a CUDA GPU, hf on CPU (faster there)",
                          choices=("auto", *TEACHERS))
@@ -88,7 +89,7 @@ class PrecomputeConfig:
     def __post_init__(self):
         codecs = getattr(FORMATS.get(self.format), "CODECS", ())
         validate(self, required=("teacher", "data", "out"), checks=[
-            ("top_k", 1 <= self.top_k <= 4096, "must be in [1, 4096]"),
+            ("top_k", 0 <= self.top_k <= 4096, "must be in [0, 4096] (0: no top-k, only the target log-probs)"),
             ("top_p", self.top_p is None or 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("codec", self.codec is None or self.codec in codecs,
              f"is not a codec of the {self.format} format (one of {list(codecs)})"),

@@ -178,26 +178,35 @@ def test_a_rerun_with_other_settings_or_a_bad_student_is_refused(tiny, tmp_path)
         onpolicy.main(base[:2] + ["--student", str(tmp_path)] + base[4:])
 
 
-def test_token_rkl_trains_on_a_round_cache_and_its_first_loss_is_the_mean_log_ratio(straight, tiny, tmp_path):
-    """--objective token-rkl on round 1's cache (greedy completions: no importance weights): the first step's loss
-    is the mean over trained positions of log S(y) - log T(y), S the initial student, T the cached target log-prob."""
+def test_a_sampled_round_with_no_top_k_trains_token_rkl_from_the_target_and_behaviour_logprobs(tiny, stopping,
+                                                                                                 tmp_path):
+    """--top-k 0 --objective token-rkl at temperature 1: the round cache holds no entries, each target's teacher
+    log-prob (equal to the teacher's forward pass) and the student's sampling log-prob (equal to its own softmax);
+    the first step, where the student is still the behaviour policy, has the mean log-ratio log S(y) - log T(y) as
+    its loss."""
     import torch
-
-    from tests.helpers.cli import kdcache
-    out, _ = straight
-    cache = _summary(out)["rounds"][0]["cache"]
-    res = kdcache("train", "--cache", cache, "--student", tiny["teacher"], "--out", tmp_path / "t", "--objective",
-                  "token-rkl", "--max-steps", 1, "--batch-size", PROMPTS, "--no-shuffle", "--no-progress",
-                  timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    row = _metrics(str(tmp_path / "t"))[0]
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(tiny["teacher"], dtype=torch.float32)
+    cmd, env = _command(tmp_path, tiny, stopping, str(tmp_path / "run"))
+    for flag, value in (("--rounds", "1"), ("--steps-per-round", "1"), ("--gen-temperature", "1"),
+                        ("--top-k", "0"), ("--batch-size", str(PROMPTS))):
+        cmd[cmd.index(flag) + 1] = value
+    res = _run(cmd + ["--objective", "token-rkl", "--no-shuffle"], env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    cache = open_cache(_summary(str(tmp_path / "run"))["rounds"][0]["cache"])
+    assert cache.manifest["top_k"] == 0
+    student, teacher = (AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32)
+                        for m in (tiny["teacher"], stopping["sampled"]))
     total, n = 0.0, 0
-    for r in open_cache(cache):
+    for r in cache:
+        assert r.topk_ids.shape == (len(r.positions), 0)
+        x = torch.tensor(r.input_ids[None].astype(np.int64))
         with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=torch.tensor(r.input_ids[None].astype(np.int64))).logits[0], -1)
-        total += float((logp[r.positions, r.targets] - torch.tensor(r.target_logprobs)).sum())
+            s_lp, t_lp = (torch.log_softmax(m(input_ids=x).logits[0], -1)[torch.tensor(r.positions), torch.tensor(r.targets)].numpy()
+                          for m in (student, teacher))
+        np.testing.assert_allclose(r.target_logprobs, t_lp, atol=2e-5)
+        np.testing.assert_allclose(r.behavior_logprobs, s_lp, atol=2e-5)
+        total += float((s_lp - t_lp).sum())
         n += len(r.positions)
+    row = _metrics(str(tmp_path / "run"))[0]
     assert row["positions"] == n
     assert row["loss"] == pytest.approx(total / n, rel=1e-4, abs=1e-5)

@@ -97,3 +97,12 @@ def test_chunked_and_plain_agree_with_importance_weights():
 def test_settings_that_mean_nothing_for_token_rkl_are_refused(kw, key):
     with pytest.raises(ConfigError, match=key):
         LossConfig(**{"objective": "token-rkl", **kw})
+
+
+def test_importance_weights_only_for_sampled_completions():
+    """Greedy completions' behaviour policy is a point mass (stored log-prob 0): no importance weights there."""
+    from kdcache.train.trainer import sampled
+    gen = {"fingerprint_parts": {"capture": {"temperature": 0.8}}}
+    assert sampled(gen)
+    assert not sampled({"fingerprint_parts": {"capture": {"temperature": 0.0}}})
+    assert not sampled({"fingerprint_parts": {"capture": {}}})          # score mode
