@@ -200,9 +200,9 @@ def test_a_sampled_round_with_no_top_k_trains_token_rkl_from_the_target_and_beha
     for r in cache:
         assert r.topk_ids.shape == (len(r.positions), 0)
         x = torch.tensor(r.input_ids[None].astype(np.int64))
+        at = (torch.tensor(r.positions), torch.tensor(r.targets))
         with torch.no_grad():
-            s_lp, t_lp = (torch.log_softmax(m(input_ids=x).logits[0], -1)[torch.tensor(r.positions), torch.tensor(r.targets)].numpy()
-                          for m in (student, teacher))
+            s_lp, t_lp = (torch.log_softmax(m(input_ids=x).logits[0], -1)[at].numpy() for m in (student, teacher))
         np.testing.assert_allclose(r.target_logprobs, t_lp, atol=2e-5)
         np.testing.assert_allclose(r.behavior_logprobs, s_lp, atol=2e-5)
         total += float((s_lp - t_lp).sum())
