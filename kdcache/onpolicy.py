@@ -52,17 +52,24 @@ class OnpolicyConfig:
     prompts_per_round: int = field(0, "prompts the student completes in each round")
     steps_per_round: int = field(0, "optimizer steps on each round's cache")
     store: str | None = field(None, "store of the round caches (default: OUT/store); a directory or a URL")
+    offpolicy_cache: str | None = field(None, "an off-policy cache mixed into every round's training: each "
+                                              "micro-batch comes from the round's cache with probability --lambda, "
+                                              "else from this one (GKD's lambda)")
+    lmbda: float = field(0.5, "with --offpolicy-cache (also --lambda): the probability that a micro-batch comes from "
+                              "the round's cache")
 
     def __post_init__(self):
         validate(self, required=("teacher", "student", "data", "out", "prompts_per_round", "steps_per_round"),
                  checks=[("rounds", self.rounds >= 1, "must be >= 1"),
                          ("prompts_per_round", self.prompts_per_round >= 1, "must be >= 1"),
-                         ("steps_per_round", self.steps_per_round >= 1, "must be >= 1")])
+                         ("steps_per_round", self.steps_per_round >= 1, "must be >= 1"),
+                         ("lmbda", 0.0 <= self.lmbda <= 1.0, "must be in [0, 1]")])
 
 
 # What the loop sets on each stage itself; every other precompute and train setting passes through.
 OWN_PRECOMPUTE = ("teacher", "data", "out", "store", "alias", "mode", "generator", "location_file")
-OWN_TRAIN = ("cache", "student", "out", "max_steps", "epochs", "until_step", "new_cache", "resume", "stop_after")
+OWN_TRAIN = ("cache", "student", "out", "max_steps", "epochs", "until_step", "new_cache", "resume", "stop_after",
+             "mix_cache", "mix_lambda")
 STOP_AFTER = "KDCACHE_ONPOLICY_STOP_AFTER"     # testing aid: the trainer's --stop-after, in the round it falls in
 
 
@@ -75,6 +82,7 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="kdcache onpolicy", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="YAML file with any of the settings below; flags override it")
     add_flags(p, OnpolicyConfig)
+    p.add_argument("--lambda", dest="lmbda", default=None, metavar="LAMBDA", help="the same as --lmbda")
     own = _names(OnpolicyConfig)
     add_flags(p, PrecomputeConfig, skip=own | set(OWN_PRECOMPUTE))
     add_flags(p, TrainConfig, skip=own | set(OWN_TRAIN) | _names(PrecomputeConfig))
@@ -165,6 +173,8 @@ def _train(cfg, train, r, entry, stop, lock):
     until = (r + 1) * n
     stage = dict(train, cache=entry["cache"], student=cfg.student, out=cfg.out, max_steps=cfg.rounds * n,
                  until_step=until, new_cache=True, resume="auto")
+    if cfg.offpolicy_cache:
+        stage.update(mix_cache=cfg.offpolicy_cache, mix_lambda=cfg.lmbda)
     stop_after = int(os.environ.get(STOP_AFTER, "0"))
     if r * n < stop_after < until:
         stage["stop_after"] = stop_after

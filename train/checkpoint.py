@@ -181,11 +181,12 @@ def check_order(path, order, new_cache=False):
     whether the reader starts afresh: True only for a checkpoint of another cache under new_cache."""
     meta = json.load(open(os.path.join(path, "complete.json")))
     saved = dict(meta.get("data", {}), world_size=meta["world_size"])   # checkpoints before 'data': ranks only
-    differ = [k for k in sorted(saved) if saved[k] != order[k]]
+    differ = [k for k in sorted(saved) if saved[k] != order.get(k)]
+    differ += [k for k in ("mix", "mix_lambda") if k in order and k not in saved]    # mixing begun on a resume
     other_cache = any(k in CACHE_KEYS for k in differ)
     if new_cache and other_cache:
         differ = [k for k in differ if k not in CACHE_KEYS]
-    differ = [f"{k}: {saved[k]!r} in the checkpoint, {order[k]!r} now" for k in differ]
+    differ = [f"{k}: {saved.get(k)!r} in the checkpoint, {order.get(k)!r} now" for k in differ]
     if not differ:
         return new_cache and other_cache
     hint = (f"relaunch with {saved['world_size']} rank(s) (--nproc-per-node {saved['world_size']})"

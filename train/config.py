@@ -55,6 +55,10 @@ class TrainConfig:
     threads: int = field(0, "torch threads on CPU (0 = all cores / ranks)")
     trust_remote_code: bool = field(False, "allow model code from the student directory to run")
     progress: bool = field(True, "show a progress bar")
+    mix_cache: str | None = field(None, "a second cache mixed in: each micro-batch comes from --cache with "
+                                        "probability --mix-lambda, else from this one (GKD's lambda; kdcache "
+                                        "onpolicy's --offpolicy-cache); needs --max-steps")
+    mix_lambda: float = field(0.5, "with --mix-cache: the probability that a micro-batch comes from --cache")
     until_step: int = field(0, "end this run at this optimizer step as if it were the last one (final model "
                                    "saved); the learning-rate schedule still spans --max-steps (0 = off; kdcache "
                                    "onpolicy trains its rounds this way)")
@@ -81,6 +85,8 @@ class TrainConfig:
             ("prefetch", self.prefetch >= 1, "must be >= 1"),
             ("log_every", self.log_every >= 1, "must be >= 1"),
             ("until_step", self.until_step >= 0, "must be >= 0"),
+            ("mix_lambda", 0.0 <= self.mix_lambda <= 1.0, "must be in [0, 1]"),
+            ("mix_cache", not self.mix_cache or self.max_steps > 0, "needs --max-steps (both caches cycle)"),
             ("until_step", not (self.max_steps and self.until_step > self.max_steps), "must be <= max_steps"),
         ])
         if self.pack and not self.max_tokens:

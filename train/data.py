@@ -138,6 +138,10 @@ class CacheStream:
     def load_state_dict(self, state: dict):
         self.position = StreamPosition.from_dict(state)
 
+    def carry_over(self, state: dict):
+        """A checkpoint of another cache (--new-cache): this cache is read from its start."""
+        self.position = StreamPosition()
+
     # -- streaming -------------------------------------------------------------------
     def _shard_loader(self, start: StreamPosition, out):
         """Background thread: decode shards in stream order into `out` (bounded queue): LoadedShard items, then

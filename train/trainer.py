@@ -28,6 +28,7 @@ from . import checkpoint
 from .batch import collate
 from .data import CacheStream
 from .metrics import METRICS, Metrics, plot_loss_curve, read_metrics
+from .mix import MixedStream
 from .model import DistillModule, check_tokenizer, load_student, load_tokenizer
 
 
@@ -47,6 +48,7 @@ class Run:
     total_steps: int           # the schedule's length
     end_step: int = 0          # where this run stops: total_steps, or --until-step
     step: int = 0
+    mixed_in: int = 0          # micro-batches of the window from --mix-cache
     fresh_reader: bool = True  # the reader starts at the cache's beginning (not resumed mid-cache)
     t_last: float = 0.0        # when the last step ended (throughput counts data loading too)
     out_lock: object = None    # rank 0's lock on --out (lock_out), held until the process ends
@@ -95,6 +97,8 @@ def check_inputs(cfg):
                           "fresh student)")
     tok = load_tokenizer(cfg)
     check_tokenizer(tok, manifest, cfg.cache)                       # rule 2: token-exact or refused
+    if cfg.mix_cache:
+        check_tokenizer(tok, load_manifest(cfg.mix_cache), cfg.mix_cache)
     return tok
 
 
@@ -120,10 +124,9 @@ def setup(cfg):
     if not torch.cuda.is_available():
         torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
     os.makedirs(cfg.out, exist_ok=True)
-    stream = CacheStream(cfg.cache, rank=rank, world=world, seed=cfg.seed, shuffle=cfg.shuffle,
-                         batch_size=cfg.batch_size, max_tokens=0 if cfg.pack else cfg.max_tokens, prefetch=cfg.prefetch,
-                         epochs=None if cfg.max_steps else cfg.epochs, skip_damaged=cfg.skip_damaged_shards,
-                         track_use=True)   # a lease on the cache: `kdcache gc` keeps it while this run reads
+    stream = open_stream(cfg, cfg.cache, rank, world)
+    if cfg.mix_cache:
+        stream = MixedStream(stream, open_stream(cfg, cfg.mix_cache, rank, world), cfg.mix_lambda, cfg.seed)
     model = load_student(cfg.student, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
     student_vocab = model.get_input_embeddings().weight.shape[0]      # before ZeRO-3 partitions it
     ds_cfg = deepspeed_config(cfg)
@@ -150,7 +153,9 @@ def setup(cfg):
         run.fresh_reader = checkpoint.check_order(ckpt, stream.order(), new_cache=cfg.new_cache)
         client, reader_state = checkpoint.load(engine, ckpt, rank)
         run.step = int(client["step"])
-        if not run.fresh_reader:
+        if run.fresh_reader:
+            stream.carry_over(reader_state)
+        else:
             stream.load_state_dict(reader_state)
         if rank == 0:
             print(f"resumed from {ckpt} at step {run.step}" + (" on a new cache, read from its start"
@@ -161,14 +166,23 @@ def setup(cfg):
     return run
 
 
+def open_stream(cfg, cache, rank, world):
+    return CacheStream(cache, rank=rank, world=world, seed=cfg.seed, shuffle=cfg.shuffle, batch_size=cfg.batch_size,
+                       max_tokens=0 if cfg.pack else cfg.max_tokens, prefetch=cfg.prefetch,
+                       epochs=None if cfg.max_steps else cfg.epochs, skip_damaged=cfg.skip_damaged_shards,
+                       track_use=True)   # a lease on the cache: `kdcache gc` keeps it while this run reads
+
+
 def next_window(run, batches, check_eos):
     """grad_accum collated micro-batches and the reader position after them; None when any rank ran dry."""
     cfg, window, position = run.cfg, [], None
+    run.mixed_in = 0
     for _ in range(cfg.grad_accum):
         nxt = next(batches, None)
         if nxt is None:
             break
         records, position = nxt
+        run.mixed_in += not getattr(position, "from_main", True)      # a micro-batch of --mix-cache
         if check_eos and not window:
             check_records(records, set(run.stream.cache.eos_token_ids), cfg.require_eos, cfg.cache)
             if cfg.objective == "token-rkl":
@@ -210,7 +224,8 @@ def optimizer_step(run, window, position):
             # teacher entries naming ids the student has no row for (a padded teacher): moved to the tail bucket
             "epoch": run.stream.position.epoch, "outside_vocab": int(outside),
             # what the forward passes held, every rank's: rows and tokens with padding (--pack lowers both)
-            "rows": int(rows), "batch_tokens": int(computed)}
+            "rows": int(rows), "batch_tokens": int(computed),
+            **({"mixed_batches": int(all_reduce([float(run.mixed_in)])[0])} if run.cfg.mix_cache else {})}
 
 
 def finish(run, reason, resume_cmd):

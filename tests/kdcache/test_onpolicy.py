@@ -21,9 +21,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.deepspeed, pytest.mark.slow]
 ROUNDS, PROMPTS, STEPS = 2, 4, 6
 
 
-def _command(tmp, tiny, stopping, out):
+def _command(tmp, tiny, stopping, out, offpolicy=None):
     data = write_jsonl(tmp / "prompts.jsonl", tiny["train"][:6])
-    args = ["--teacher", stopping["sampled"], "--student", tiny["teacher"], "--data", data, "--out", out,
+    mix = ["--offpolicy-cache", offpolicy, "--lambda", 0.5] if offpolicy else []
+    args = [*mix, "--teacher", stopping["sampled"], "--student", tiny["teacher"], "--data", data, "--out", out,
             "--rounds", ROUNDS, "--prompts-per-round", PROMPTS, "--steps-per-round", STEPS, "--batch-size", 2,
             "--gen-max-new-tokens", 10, "--gen-temperature", 0, "--top-k", 8, "--logprob-dtype", "float32",
             "--backend", "hf", "--shard-size", 2, "--save-every", 1, "--warmup-steps", 2, "--no-progress",
@@ -48,21 +49,27 @@ def _metrics(out):
 
 @pytest.fixture(scope="module")
 def straight(tiny, stopping, tmp_path_factory):
-    """One loop that ran through: (out, command, env, prompt rows)."""
+    """One loop that ran through, half its micro-batches from an off-policy cache (the prompts' own completions,
+    scored by the teacher): (out, tmp dir, off-policy cache)."""
+    from tests.helpers.cli import precompute
     tmp = tmp_path_factory.mktemp("onpolicy")
+    data = write_jsonl(tmp / "offpolicy.jsonl", tiny["train"][6:14])
+    res = precompute("--teacher", stopping["sampled"], "--data", data, "--out", tmp / "offpolicy", "--backend", "hf",
+                     "--top-k", 8, shared_ray=True)
+    assert res.returncode == 0, res.stderr[-3000:]
     out = str(tmp / "run")
-    cmd, env = _command(tmp, tiny, stopping, out)
+    cmd, env = _command(tmp, tiny, stopping, out, offpolicy=tmp / "offpolicy")
     res = _run(cmd, env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "on-policy summary" in res.stdout
-    return out, tmp
+    return out, tmp, str(tmp / "offpolicy")
 
 
 def test_rounds_train_on_the_students_own_completions_with_one_schedule(straight, tiny):
     from kdcache.pipeline.teacher_hf import HFTeacher
     from kdcache.train.config import TrainConfig
     from kdcache.train.trainer import lr_lambda
-    out, tmp = straight
+    out, tmp, _ = straight
     s = _summary(out)
     assert [e["round"] for e in s["rounds"]] == [1, 2] and all(e["done"] for e in s["rounds"])
     assert [e["steps"] for e in s["rounds"]] == [[1, STEPS], [STEPS + 1, 2 * STEPS]]
@@ -93,6 +100,9 @@ def test_rounds_train_on_the_students_own_completions_with_one_schedule(straight
     # one optimizer step count and one learning-rate schedule over both rounds (not restarted in round 2)
     rows = _metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 2 * STEPS + 1))
+    mixed = [r["mixed_batches"] for r in rows]              # one micro-batch a step: from either cache (lambda 0.5)
+    assert set(mixed) == {0, 1} and 3 <= sum(mixed) <= 9, mixed
+    assert sum(r["positions"] for r, m in zip(rows, mixed) if m) > 0
     f = lr_lambda(TrainConfig(cache="-", student="-", out="-", warmup_steps=2), 2 * STEPS)
     np.testing.assert_allclose([r["lr"] for r in rows], [5e-4 * f(r["step"]) for r in rows], rtol=1e-6)
     final = os.path.join(out, "final")
@@ -119,10 +129,11 @@ def _committed(path_file):
 
 def test_a_loop_killed_in_round_two_and_rerun_equals_one_that_ran_through(straight, tiny, stopping):
     """kill -9 of the loop and its precompute stage mid-rollout of round 2, then a hang-up mid-training of round 2,
-    then a rerun: every per-step loss, each round cache and the final weights equal the uninterrupted run's."""
-    ref_out, tmp = straight
+    then a rerun: every per-step loss and source (round or off-policy cache), each round cache and the final
+    weights equal the uninterrupted run's."""
+    ref_out, tmp, offpolicy = straight
     out = str(tmp / "killed")
-    cmd, env = _command(tmp, tiny, stopping, out)
+    cmd, env = _command(tmp, tiny, stopping, out, offpolicy=offpolicy)
     round2 = os.path.join(out, "rounds", "round-0002")
     # 1. kill -9 while round 2's cache has one of its two shards
     proc = subprocess.Popen(cmd, cwd=user_project(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -150,7 +161,8 @@ def test_a_loop_killed_in_round_two_and_rerun_equals_one_that_ran_through(straig
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     want, got = _metrics(ref_out), _metrics(out)
     assert [r["step"] for r in got] == [r["step"] for r in want]
-    assert [(r["loss"], r["kd"]) for r in got] == [(r["loss"], r["kd"]) for r in want]
+    assert [(r["loss"], r["kd"], r["mixed_batches"]) for r in got] == \
+        [(r["loss"], r["kd"], r["mixed_batches"]) for r in want]
     fps = [[load_manifest(e["cache"]).fingerprint for e in _summary(o)["rounds"]] for o in (ref_out, out)]
     assert fps[0] == fps[1]
     from safetensors.numpy import load_file
