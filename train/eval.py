@@ -2,10 +2,11 @@
 
 For each model: greedy generation on every held-out prompt -> how often it ends
 with the end-of-turn token before the length limit, exact match against the
-reference answer, mean/max generated length; and teacher-forced per-token
-KL(reference || model) on the reference completions, end-of-turn included.
-Task-independent: a task's own metric reads the answers from eval.json (the demo's
-label F1: kdcache.demo.task). Writes OUT/report.md, OUT/eval.json and PNGs
+reference answer, mean/max generated length; teacher-forced per-token
+KL(reference || model) on the reference completions, end-of-turn included; and the
+on-policy figure, per-token KL(model || reference) on the model's own greedy
+completions. Task-independent: a task's own metric reads the answers from eval.json
+(the demo's label F1: kdcache.demo.task). Writes OUT/report.md, OUT/eval.json and PNGs
 (generated lengths, loss curves).
 """
 import argparse
@@ -83,6 +84,26 @@ def mean_kl(ref_model, model, tok, chats):
     return total / max(n, 1)
 
 
+@torch.no_grad()
+def onpolicy_kl(ref_model, model, tok, chats, gens):
+    """Mean per-token KL(model || reference) on the model's own greedy completions (full vocabulary): the on-policy
+    figure, where a student's own mistakes are the positions it is measured on. Positions: those that predict
+    each generated token, its end-of-turn included."""
+    total, n = 0.0, 0
+    for msgs, (new, _) in zip(chats, gens):
+        if not new:
+            continue
+        head = tok(tok.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"]
+        x = torch.tensor([head + list(new)])
+        pos = list(range(len(head) - 1, len(head) - 1 + len(new)))
+        lp_m = torch.log_softmax(model(x).logits[0, pos].float(), -1)
+        lp_r = torch.log_softmax(ref_model(x).logits[0, pos].float(), -1)
+        total += float((lp_m.exp() * (lp_m - lp_r)).sum())
+        n += len(pos)
+    return total / max(n, 1)
+
+
 def evaluate(models, data, reference=None, max_new_tokens=48, batch_size=64):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     chats = load_heldout(data)
@@ -102,6 +123,7 @@ def evaluate(models, data, reference=None, max_new_tokens=48, batch_size=64):
                "examples": [tok.decode(g[0]) for g in gens[:3]]}
         if reference and name != reference:
             res["kl_from_reference"] = mean_kl(loaded[reference][0], model, tok, chats)
+            res["onpolicy_kl"] = onpolicy_kl(loaded[reference][0], model, tok, chats, gens)
         results[name] = res
     return results
 
@@ -140,16 +162,19 @@ def write_report(results, out, runs=None, reference=None, title="kdcache eval", 
         pictures.append("loss_curves.png")
 
     header = ["model", "ends with end-of-turn", "exact match", "mean length", "max length",
-              f"KL({reference} ‖ model) per token" if reference else "KL"]
+              f"KL({reference} ‖ model) per token" if reference else "KL",
+              f"KL(model ‖ {reference}) per token, own samples" if reference else "on-policy KL"]
     lines = [f"# {title}", "", *([note, ""] if note else []), "| " + " | ".join(header) + " |",
              "|" + "---|" * len(header)]
     for name in names:
         r = results[name]
         kl = f"{r['kl_from_reference']:.4f}" if "kl_from_reference" in r else "—"
+        own = f"{r['onpolicy_kl']:.4f}" if "onpolicy_kl" in r else "—"
         lines.append(f"| {name} | {r['stop_rate']:.1%} | {r['exact_match']:.1%} | "
-                     f"{r['mean_length']:.1f} | {r['max_length']} / {r['length_limit']} | {kl} |")
+                     f"{r['mean_length']:.1f} | {r['max_length']} / {r['length_limit']} | {kl} | {own} |")
     lines += ["", f"{results[names[0]]['prompts']} held-out prompts, greedy decoding, "
-              f"limit {limit} new tokens.", ""]
+              f"limit {limit} new tokens. The first KL is teacher-forced on the reference answers; the second is "
+              "on each model's own greedy completions (where its own mistakes lead it).", ""]
     lines += [f"![{p}]({p})" for p in pictures]
     lines += ["", "## First generations", ""]
     for name in names:
@@ -164,11 +189,12 @@ def write_report(results, out, runs=None, reference=None, title="kdcache eval", 
 
 
 def print_table(results):
-    print(f"\n{'model':<16}{'stops':>8}{'exact':>8}{'mean len':>10}{'max len':>9}{'KL/token':>10}")
+    print(f"\n{'model':<16}{'stops':>8}{'exact':>8}{'mean len':>10}{'max len':>9}{'KL/token':>10}{'own KL':>10}")
     for name, r in results.items():
         kl = f"{r['kl_from_reference']:.4f}" if "kl_from_reference" in r else "—"
+        own = f"{r['onpolicy_kl']:.4f}" if "onpolicy_kl" in r else "—"
         print(f"{name:<16}{r['stop_rate']:>8.1%}{r['exact_match']:>8.1%}"
-              f"{r['mean_length']:>10.1f}{r['max_length']:>9}{kl:>10}")
+              f"{r['mean_length']:>10.1f}{r['max_length']:>9}{kl:>10}{own:>10}")
 
 
 def _pairs(items, what):

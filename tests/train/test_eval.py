@@ -60,3 +60,27 @@ def test_the_kl_is_a_mean_per_answer_token(models, tmp_path):
     kl1 = evaluate(pair, one, reference="ends", max_new_tokens=2)["never"]["kl_from_reference"]
     kl5 = evaluate(pair, five, reference="ends", max_new_tokens=2)["never"]["kl_from_reference"]
     assert kl1 > 10 and kl5 == pytest.approx(kl1, rel=1e-6)
+
+
+def test_the_onpolicy_kl_is_on_the_models_own_completions(models, tiny):
+    """KL(model || reference) per token at the positions of the model's own greedy completion: 0 for a copy of
+    the reference; for the model that never stops, its six tokens against the reference that always stops,
+    equal to the figure worked out here from both models' forward passes."""
+    from transformers import AutoModelForCausalLM
+    res = evaluate({"ends": models["ends"], "never": models["never"], "same": models["ends"]}, models["data"],
+                   reference="ends", max_new_tokens=6)
+    assert res["same"]["onpolicy_kl"] == pytest.approx(0.0, abs=1e-9)
+    tok = models["tok"]
+    never, ends = (AutoModelForCausalLM.from_pretrained(models[m], dtype=torch.float32) for m in ("never", "ends"))
+    total, n = 0.0, 0
+    for row in tiny["heldout"][:5]:
+        head = tok(tok.apply_chat_template(row["messages"][:-1], tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"]
+        x = torch.tensor([head + [models["word"]] * 6])
+        with torch.no_grad():
+            a, b = (torch.log_softmax(m(x).logits[0, len(head) - 1:len(head) + 5], -1) for m in (never, ends))
+        total += float((a.exp() * (a - b)).sum())
+        n += 6
+    assert res["never"]["onpolicy_kl"] == pytest.approx(total / n, rel=1e-5)
+    assert res["never"]["onpolicy_kl"] > 10
+    assert "onpolicy_kl" not in res["ends"]
