@@ -22,6 +22,10 @@ whole process group, or SIGKILL exactly while a checkpoint is being committed, o
 trainer into the same --out (it must be refused while the first trains on), then rerun until
 finished. The per-step losses must equal the reference's exactly.
 
+On-policy: `kdcache onpolicy` (2 rounds) killed at a moment drawn over a whole uninterrupted run (mid-rollout,
+mid-scoring, mid-training, between stages): kill -9 of the loop and every process under it, SIGTERM to the loop, or
+SIGHUP to its process group; rerun until done. Per-step losses and each round's cache must equal the reference's.
+
 A trial is counted only if the fault interrupted the job (the cache was incomplete, or training had
 steps left, when the first run ended); the tables say which were.
 """
@@ -400,6 +404,117 @@ def train_trials(args, work, cache, student, rng):
     return rows
 
 
+ONPOLICY_KINDS = ("kill9", "sigterm", "sighup")
+
+
+def _onpolicy_student(work, init):
+    """A student model directory (weights) from the demo's student config: round 1's completions are its own."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    out = os.path.join(work, "onpolicy-student")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(init)).save_pretrained(out)
+    AutoTokenizer.from_pretrained(init).save_pretrained(out)
+    return out
+
+
+def _onpolicy_result(out):
+    """(per-step losses, round caches, all rounds done) of an on-policy run directory."""
+    try:
+        rounds = json.load(open(os.path.join(out, "summary.json")))["rounds"]
+    except (OSError, ValueError):
+        rounds = []
+    metrics = os.path.join(out, "metrics.jsonl")
+    losses = [(r["step"], r["loss"]) for r in map(json.loads, open(metrics))] if os.path.exists(metrics) else []
+    return losses, [r["cache"] for r in rounds], len(rounds) == 2 and all(r["done"] for r in rounds)
+
+
+def _stage_stage(out):
+    """Where the run stood: each round's stage, from summary.json."""
+    try:
+        return "/".join(r["stage"] for r in json.load(open(os.path.join(out, "summary.json")))["rounds"])
+    except (OSError, ValueError):
+        return "-"
+
+
+def onpolicy_trials(args, work, teacher, rng):
+    """kdcache onpolicy (2 rounds) killed at a moment drawn over a whole uninterrupted run: kill -9 of the loop
+    and every process under it, SIGTERM to the loop, or SIGHUP to its process group (a closed terminal); then
+    the same command until it completes. Losses per step, round caches and orphans against the reference."""
+    import psutil
+    init = args.student or os.path.join(ROOT, "runs", "demo", "student_init")
+    if not args.student and not os.path.isfile(os.path.join(init, "config.json")):
+        from kdcache.demo.run import FULL, student_config
+        student_config(os.path.join(ROOT, "runs", "demo"), teacher, FULL)
+    student = init if os.path.exists(os.path.join(init, "model.safetensors")) else _onpolicy_student(work, init)
+    data = os.path.join(work, "prompts.jsonl")
+    with open(os.path.join(ROOT, "runs", "demo", "data", "train.jsonl")) as src, open(data, "w") as dst:
+        dst.writelines(line for _, line in zip(range(48), src))
+    def cmd(out):
+        return kdcache_cmd("onpolicy", "--teacher", teacher, "--student", student, "--data", data, "--out", out,
+                           "--rounds", 2, "--prompts-per-round", 24, "--steps-per-round", 8, "--batch-size", 4,
+                           "--gen-max-new-tokens", 24, "--top-k", 16, "--backend", "hf", "--shard-size", 6,
+                           "--save-every", 2, "--no-progress", "--threads", 1, "--worker-cpus", 0.5)
+    ref = os.path.join(work, "onpolicy-ref")
+    t0 = time.time()
+    res = run(cmd(ref))
+    duration = time.time() - t0
+    want, ref_caches, done = _onpolicy_result(ref)
+    if res.returncode or not done:
+        sys.exit(f"the reference on-policy run failed (exit {res.returncode}): {res.stdout[-2000:]}"
+                 f"{res.stderr[-2000:]}")
+    print(f"on-policy reference run: 2 rounds of 24 prompts and 8 steps, {duration:.1f} s (kill times are drawn in "
+          "it)", flush=True)
+    rows = []
+    for i in range(args.trials):
+        for kind in [k for k in ONPOLICY_KINDS if f"onpolicy:{k}" in args.kinds]:
+            t = float(rng.uniform(0.03, 0.97)) * duration
+            out = os.path.join(work, f"onpolicy-{kind}-{i}")
+            proc = start(cmd(out))
+            time.sleep(t)
+            under = [] if proc.poll() is not None else psutil.Process(proc.pid).children(recursive=True)
+            if proc.poll() is None:
+                if kind == "kill9":
+                    for p in [psutil.Process(proc.pid), *under]:
+                        try:
+                            p.kill()
+                        except psutil.NoSuchProcess:
+                            pass
+                elif kind == "sigterm":
+                    proc.send_signal(signal.SIGTERM)
+                else:
+                    os.killpg(proc.pid, signal.SIGHUP)
+            proc.wait()
+            at_stop = _stage_stage(out)
+            interrupted = not _onpolicy_result(out)[2]
+            deadline = time.time() + 20
+            while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in under) and \
+                    time.time() < deadline and kind != "kill9":
+                time.sleep(0.2)
+            orphans = sum(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in under) if kind != "kill9" \
+                else 0
+            for _ in range(3):
+                res = run(cmd(out))
+                if res.returncode == 0 and _onpolicy_result(out)[2]:
+                    break
+            got, caches, done = _onpolicy_result(out)
+            lost = dup = diff = 0
+            for a, b in zip(ref_caches, caches):
+                la, da, fa = compare_caches(a, b)
+                lost, dup, diff = lost + la, dup + da, diff + fa
+            label = f"{kind} at {t:.1f} s of {duration:.0f} s (stopped at {at_stop})"
+            row = {"kind": f"onpolicy:{kind}", "trial": label, "interrupted": interrupted, "done": done,
+                   "losses_equal": got == want, "lost": lost, "duplicated": dup, "different": diff,
+                   "orphans": orphans, "verify": all(verify_cache(c).ok for c in caches)}
+            row["ok"] = done and row["losses_equal"] and not (lost or dup or diff or orphans) and row["verify"]
+            rows.append(row)
+            print(f"  onpolicy:{label}: {'ok' if row['ok'] else 'FAIL'}{'' if interrupted else ' (not counted)'}",
+                  flush=True)
+            if not args.keep:
+                shutil.rmtree(out, ignore_errors=True)
+    return rows
+
+
 def by_kind(rows):
     """{kind: (trials, counted, failures among counted ones or not)}"""
     out = {}
@@ -409,12 +524,24 @@ def by_kind(rows):
     return out
 
 
+def print_precompute(args, rows, duration, window):
+    print(f"precompute into {'an S3-compatible server' if args.s3 else 'local disk'}: {args.records} records; "
+          f"reference run {duration:.1f} s, {window:.1f} s from its first shard commit to its last (kill times "
+          "are drawn in that window)")
+    print(f"{'trial':<72}{'counted':>8}{'shards':>7}{'verify':>8}{'lost':>6}{'dup':>5}{'diff':>6}{'orphans':>8}")
+    for r in rows:
+        ok = "ok" if r["verify"] and r["sound_after_kill"] else "FAIL"
+        print(f"{r['trial']:<72}{'yes' if r['interrupted'] else 'no':>8}{r['shards_at_kill']:>7}{ok:>8}"
+              f"{r['lost']:>6}{r['duplicated']:>5}{r['different']:>6}{r['orphans']:>8}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=2, help="trials per kind")
     ap.add_argument("--kinds", default="all", help="comma-separated kinds (default all): "
-                    + ", ".join([f"precompute:{k}" for k in PRECOMPUTE_KINDS] + [f"train:{k}" for k in TRAIN_KINDS])
-                    + "; or precompute, train")
+                    + ", ".join([f"precompute:{k}" for k in PRECOMPUTE_KINDS] + [f"train:{k}" for k in TRAIN_KINDS]
+                                + [f"onpolicy:{k}" for k in ONPOLICY_KINDS])
+                    + "; or precompute, train, onpolicy")
     ap.add_argument("--records", type=int, default=400)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=None, help="seed of every drawn moment (default: a fresh one, printed)")
@@ -424,7 +551,8 @@ def main():
     ap.add_argument("--student", default=None, help="student directory for the training trials (default: the demo's)")
     ap.add_argument("--s3", action="store_true", help="precompute into an S3-compatible server (moto) on 127.0.0.1")
     args = ap.parse_args()
-    every = [f"precompute:{k}" for k in PRECOMPUTE_KINDS] + [f"train:{k}" for k in TRAIN_KINDS]
+    every = [f"precompute:{k}" for k in PRECOMPUTE_KINDS] + [f"train:{k}" for k in TRAIN_KINDS] + \
+        [f"onpolicy:{k}" for k in ONPOLICY_KINDS]
     wanted = set()
     for k in args.kinds.split(","):
         k = k.strip()
@@ -452,14 +580,8 @@ def main():
             os.environ.update(server.env())
             root = server.make_bucket("chaos")
         rows, duration, window = precompute_trials(args, work, teacher, rng, root)
-        print(f"precompute into {'an S3-compatible server' if args.s3 else 'local disk'}: {args.records} records; "
-              f"reference run {duration:.1f} s, {window:.1f} s from its first shard commit to its last (kill times "
-              "are drawn in that window)")
-        print(f"{'trial':<72}{'counted':>8}{'shards':>7}{'verify':>8}{'lost':>6}{'dup':>5}{'diff':>6}{'orphans':>8}")
-        for r in rows:
-            ok = "ok" if r["verify"] and r["sound_after_kill"] else "FAIL"
-            print(f"{r['trial']:<72}{'yes' if r['interrupted'] else 'no':>8}{r['shards_at_kill']:>7}{ok:>8}"
-                  f"{r['lost']:>6}{r['duplicated']:>5}{r['different']:>6}{r['orphans']:>8}")
+        if duration is not None:
+            print_precompute(args, rows, duration, window)
         trows = []
         if any(k.startswith("train:") for k in args.kinds):
             init = args.student or os.path.join(ROOT, "runs", "demo", "student_init")
@@ -475,14 +597,24 @@ def main():
                 print(f"{r['trial']:<58}{'yes' if r['interrupted'] else 'no':>8}{r['first_exit']:>6}"
                       f"{r['steps_logged_at_stop']:>8}{ok:>9}{str(r['losses_equal']):>14}"
                       f"{r['half_checkpoints_left']:>10}")
-        every_row = rows + trows
+        orows = onpolicy_trials(args, work, teacher, rng) if any(k.startswith("onpolicy:") for k in args.kinds) \
+            else []
+        if orows:
+            print(f"\non-policy: {'trial':<66}{'counted':>8}{'done':>6}{'losses equal':>14}{'lost':>6}{'dup':>5}"
+                  f"{'diff':>6}{'orphans':>8}")
+            for r in orows:
+                print(f"{r['trial']:<76}{'yes' if r['interrupted'] else 'no':>8}{str(r['done']):>6}"
+                      f"{str(r['losses_equal']):>14}{r['lost']:>6}{r['duplicated']:>5}{r['different']:>6}"
+                      f"{r['orphans']:>8}")
+        every_row = rows + trows + orows
         print(f"\n{'kind':<28}{'trials':>8}{'counted':>9}{'failures':>10}")
         for kind, (n, c, f) in by_kind(every_row).items():
             print(f"{kind:<28}{n:>8}{c:>9}{f:>10}")
         failures = sum(not r["ok"] for r in every_row)
         counted = sum(bool(r["interrupted"]) for r in every_row)
         print(f"\n{len(every_row)} trials, {counted} counted (the fault interrupted the job), {failures} failures, "
-              f"{sum(r['lost'] for r in rows)} samples lost, {sum(r['duplicated'] for r in rows)} duplicated "
+              f"{sum(r['lost'] for r in rows + orows)} samples lost, "
+              f"{sum(r['duplicated'] for r in rows + orows)} duplicated "
               f"(seed {args.seed})")
         if args.json:
             with open(args.json, "w") as f:
