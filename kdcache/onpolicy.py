@@ -84,8 +84,10 @@ def parse(argv):
     add_flags(p, OnpolicyConfig)
     p.add_argument("--lambda", dest="lmbda", default=None, metavar="LAMBDA", help="the same as --lmbda")
     own = _names(OnpolicyConfig)
-    add_flags(p, PrecomputeConfig, skip=own | set(OWN_PRECOMPUTE))
-    add_flags(p, TrainConfig, skip=own | set(OWN_TRAIN) | _names(PrecomputeConfig))
+    add_flags(p.add_argument_group("rollout and scoring (kdcache precompute's settings; --seed and --tokenizer "
+                                   "apply to training too)"), PrecomputeConfig, skip=own | set(OWN_PRECOMPUTE))
+    add_flags(p.add_argument_group("training (kdcache train's settings)"), TrainConfig,
+              skip=own | set(OWN_TRAIN) | _names(PrecomputeConfig))
     args = p.parse_args(argv)
     values = {}
     if args.config:
@@ -155,12 +157,19 @@ def _rollout(cfg, pre, r, prompts, entry, stop, lock):
     _say(f"round {r + 1}/{cfg.rounds}: {cfg.prompts_per_round} completions by {stage['generator']}, scored by "
          f"{cfg.teacher}")
     code = _stage(["precompute", "--config", os.path.join(d, "precompute.yaml")], stop, lock)
-    if code != 0:
+    if code != 0 and not stop.signal:
         raise KdcacheError(f"round {r + 1}: `kdcache precompute --config {d}/precompute.yaml` failed (exit "
                            f"{code}; its output is above). Rerun this command to resume.")
+    if not os.path.isfile(where):      # stopped before it knew where its cache goes
+        return False
     with open(where) as f:
         cache = f.read().strip()
-    m = load_manifest(cache)
+    try:
+        m = load_manifest(cache)
+    except KdcacheError:
+        if stop.signal:                # stopped before its first commit: nothing of it is kept
+            return False
+        raise
     if not m.complete:
         return False
     entry.update(cache=cache, stage="scored", teacher_tokens=int(m["counts"]["tokens"]))
@@ -181,7 +190,7 @@ def _train(cfg, train, r, entry, stop, lock):
     _write_yaml(os.path.join(d, "train.yaml"), stage)
     _say(f"round {r + 1}/{cfg.rounds}: training steps {r * n + 1}-{until} on {entry['cache']}")
     code = _stage(["train", "--config", os.path.join(d, "train.yaml")], stop, lock)
-    if code != 0:
+    if code != 0 and not stop.signal:
         raise KdcacheError(f"round {r + 1}: `kdcache train --config {d}/train.yaml` failed (exit {code}; its "
                            "output is above). Rerun this command to resume.")
     try:

@@ -192,18 +192,26 @@ def test_a_rerun_with_other_settings_or_a_bad_student_is_refused(tiny, tmp_path)
 
 def test_a_sampled_round_with_no_top_k_trains_token_rkl_from_the_target_and_behaviour_logprobs(tiny, stopping,
                                                                                                  tmp_path):
-    """--top-k 0 --objective token-rkl at temperature 1: the round cache holds no entries, each target's teacher
-    log-prob (equal to the teacher's forward pass) and the student's sampling log-prob (equal to its own softmax);
-    the first step, where the student is still the behaviour policy, has the mean log-ratio log S(y) - log T(y) as
-    its loss."""
+    """--top-k 0 --objective token-rkl at temperature 1, under nohup and hung up mid-round: the loop goes on; the
+    round cache holds no entries, each target's teacher log-prob (equal to the teacher's forward pass) and the
+    student's sampling log-prob (equal to its own softmax); the first step, where the student is still the
+    behaviour policy, has the mean log-ratio log S(y) - log T(y) as its loss."""
     import torch
     from transformers import AutoModelForCausalLM
     cmd, env = _command(tmp_path, tiny, stopping, str(tmp_path / "run"))
     for flag, value in (("--rounds", "1"), ("--steps-per-round", "1"), ("--gen-temperature", "1"),
                         ("--top-k", "0"), ("--batch-size", str(PROMPTS))):
         cmd[cmd.index(flag) + 1] = value
-    res = _run(cmd + ["--objective", "token-rkl", "--no-shuffle"], env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # started as `nohup` starts it (SIGHUP ignored), and hung up once its first shard is in: it goes on to the end
+    proc = subprocess.Popen(cmd + ["--objective", "token-rkl", "--no-shuffle"], cwd=user_project(), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    _wait(lambda: _committed(str(tmp_path / "run" / "rounds" / "round-0001" / "cache.txt")) >= 1, proc,
+          "the round's first shard")
+    os.killpg(proc.pid, signal.SIGHUP)
+    text, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "stopped" not in text, text[-3000:]
+    assert _summary(str(tmp_path / "run"))["rounds"][0]["done"]
     cache = open_cache(_summary(str(tmp_path / "run"))["rounds"][0]["cache"])
     assert cache.manifest["top_k"] == 0
     student, teacher = (AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32)
