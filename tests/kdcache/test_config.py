@@ -11,7 +11,7 @@ BASE_T = {"cache": "c", "student": "s", "out": "o"}
 
 @pytest.mark.parametrize("cls,base,key,value", [
     (PrecomputeConfig, BASE_P, "top_k", -1),
-    (PrecomputeConfig, BASE_P, "top_k", 0),
+    (PrecomputeConfig, BASE_P, "top_k", -1),
     (PrecomputeConfig, BASE_P, "shard_size", 0),
     (PrecomputeConfig, BASE_P, "gen_top_p", 1.5),
     (PrecomputeConfig, BASE_P, "backend", "tensorrt"),
