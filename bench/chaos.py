@@ -396,12 +396,17 @@ def train_trials(args, work, cache, student, rng):
                "resumed_ok": res.returncode == 0 and exit_code not in (-999, -998),
                "losses_equal": got == want[ranks], "steps": len(got), "half_checkpoints_left": len(half)}
         row["ok"] = row["resumed_ok"] and row["losses_equal"]
-        rows.append(row)
-        print(f"  {kind}: {label}: {'ok' if row['ok'] else 'FAIL'}{'' if row['interrupted'] else ' (not counted)'}",
-              flush=True)
-        if not args.keep:
-            shutil.rmtree(out, ignore_errors=True)
+        _keep_row(rows, row, out, args)
     return rows
+
+
+def _keep_row(rows, row, out, args):
+    """Record a trial's row, print its line, and remove its work directory (unless --keep)."""
+    rows.append(row)
+    print(f"  {row['kind']}: {row['trial']}: {'ok' if row['ok'] else 'FAIL'}"
+          f"{'' if row['interrupted'] else ' (not counted)'}", flush=True)
+    if not args.keep:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 ONPOLICY_KINDS = ("kill9", "sigterm", "sighup")
@@ -507,11 +512,7 @@ def onpolicy_trials(args, work, teacher, rng):
                    "losses_equal": got == want, "lost": lost, "duplicated": dup, "different": diff,
                    "orphans": orphans, "verify": all(verify_cache(c).ok for c in caches)}
             row["ok"] = done and row["losses_equal"] and not (lost or dup or diff or orphans) and row["verify"]
-            rows.append(row)
-            print(f"  onpolicy:{label}: {'ok' if row['ok'] else 'FAIL'}{'' if interrupted else ' (not counted)'}",
-                  flush=True)
-            if not args.keep:
-                shutil.rmtree(out, ignore_errors=True)
+            _keep_row(rows, row, out, args)
     return rows
 
 
