@@ -23,7 +23,6 @@ teacher included), and the teacher tokens scored. Then each arm's answer to a SI
 import argparse
 import json
 import os
-import random
 import shutil
 import signal
 import statistics
@@ -34,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from kdcache.demo.task import OPENERS, ROLES, SKILLS  # noqa: E402
+from kdcache.demo.task import OPENERS, ROLES, SKILLS, make_splits  # noqa: E402
 
 ASK = "For each required skill, write the skill and the duty that asks for it."
 LR, BETA, NEW_TOKENS = "1e-3", "0.5", 64
@@ -51,15 +50,7 @@ def make_example(rng):
 
 
 def splits(n_train, n_heldout, seed=0):
-    rng, seen, train, held = random.Random(seed), set(), [], []
-    while len(train) < n_train or len(held) < n_heldout:
-        ex = make_example(rng)
-        key = ex["messages"][0]["content"]
-        if key in seen:
-            continue
-        seen.add(key)
-        (held if len(held) < n_heldout and (rng.random() < 0.2 or len(train) >= n_train) else train).append(ex)
-    return train, held
+    return make_splits(n_train, n_heldout, seed, make=make_example)
 
 
 def write_jsonl(rows, path):
@@ -214,15 +205,16 @@ def sighup_trial(info, work, arm, args):
         cmd = [sys.executable, __file__, "--trl-arm", json.dumps({"info": info, "out": out, "seed": 0,
                                                                   "steps": args.steps, "batch": args.batch})]
     cmd = [str(c) for c in cmd]
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    log = open(os.path.join(work, f"log-hup-{arm}.txt"), "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     time.sleep(args.hup_after)
     os.killpg(proc.pid, signal.SIGHUP)
     code = proc.wait()
     if arm == "b":
         rounds = json.load(open(os.path.join(out, "summary.json")))["rounds"]
         t0 = time.time()
-        rerun = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+        rerun = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
         return (f"exit {code} after SIGHUP at {args.hup_after} s, rounds then {[r['stage'] for r in rounds]}; the same "
                 f"command rerun: exit {rerun}, finished in {time.time() - t0:.0f} s from where it stopped")
     saved = os.path.exists(os.path.join(out, "final"))
@@ -241,6 +233,7 @@ def main():
     ap.add_argument("--sft-steps", type=int, default=60)
     ap.add_argument("--hup-after", type=float, default=40.0)
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-onpolicy"))
+    ap.add_argument("--only-sighup", action="store_true", help="only the SIGHUP trials (after a full run)")
     ap.add_argument("--trl-arm", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_arm:
@@ -250,7 +243,7 @@ def main():
     print(f"setup: teacher trained in {info['teacher_training_s']} s; parameters {info['parameters']}; {args.steps} "
           f"steps x batch {args.batch} per arm, {args.rounds} rounds for (b)", flush=True)
     table = []
-    for seed in range(args.seeds):
+    for seed in range(0 if args.only_sighup else args.seeds):
         work = os.path.join(args.out, f"seed-{seed}")
         shutil.rmtree(work, ignore_errors=True)
         os.makedirs(work)
@@ -268,7 +261,8 @@ def main():
                       "stop_rate": res["teacher"]["stop_rate"]})
         table.append({"seed": seed, "arm": "student_start", **{k: v for k, v in evaluate(
             info, {"start": info["student"]})["start"].items() if k in ("onpolicy_kl", "exact_match", "stop_rate")}})
-    json.dump(table, open(os.path.join(args.out, "results.json"), "w"), indent=1)
+    if table:
+        json.dump(table, open(os.path.join(args.out, "results.json"), "w"), indent=1)
     print("\n| arm | KL(S‖T) own samples | KL(T‖S) reference | exact match | stop rate | s/step | teacher tokens |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for arm in ("student_start", "a_offpolicy", "b_onpolicy", "c_trl_gkd", "teacher"):

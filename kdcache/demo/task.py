@@ -42,12 +42,13 @@ def make_example(rng: random.Random):
                          {"role": "assistant", "content": ", ".join(skills)}]}
 
 
-def make_splits(n_train, n_heldout, seed=0):
-    """Disjoint train/held-out lists of chat records (held-out postings never appear in train)."""
+def make_splits(n_train, n_heldout, seed=0, make=None):
+    """Disjoint train/held-out lists of chat records (held-out postings never appear in train). make: the example
+    builder (default make_example; bench/onpolicy.py passes its long-answer one)."""
     rng = random.Random(seed)
     seen, train, held = set(), [], []
     while len(train) < n_train or len(held) < n_heldout:
-        ex = make_example(rng)
+        ex = (make or make_example)(rng)
         key = ex["messages"][0]["content"]
         if key in seen:
             continue
