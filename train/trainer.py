@@ -27,6 +27,7 @@ from kdcache.common.signals import StopFlag
 from . import checkpoint
 from .batch import collate
 from .data import CacheStream
+from .extensions import build_guard
 from .metrics import METRICS, Metrics, plot_loss_curve, read_metrics
 from .mix import MixedStream
 from .model import DistillModule, check_tokenizer, load_student, load_tokenizer
@@ -278,8 +279,18 @@ def init_distributed():
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":                 # each rank on its own GPU before NCCL or DeepSpeed touch one
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    load_extensions()
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def load_extensions():
+    """Build or load the comm extension DeepSpeed's init_distributed loads (on CPU: its shared-memory op) under
+    train/extensions.py's guard, before any collective: a build lock that a killed start left behind is cleared
+    instead of making this start sleep on it for ever. Where there is no such op (CUDA), nothing happens."""
+    from deepspeed.comm.torch import build_shm_op
+    with build_guard(), contextlib.redirect_stdout(sys.stderr):
+        build_shm_op()
 
 
 def collective_device():
