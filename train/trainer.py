@@ -288,7 +288,10 @@ def load_extensions():
     """Build or load the comm extension DeepSpeed's init_distributed loads (on CPU: its shared-memory op) under
     train/extensions.py's guard, before any collective: a build lock that a killed start left behind is cleared
     instead of making this start sleep on it for ever. Where there is no such op (CUDA), nothing happens."""
-    from deepspeed.comm.torch import build_shm_op
+    try:
+        from deepspeed.comm.torch import build_shm_op
+    except ImportError:                   # a DeepSpeed without that op: nothing to build at init
+        return
     with build_guard(), contextlib.redirect_stdout(sys.stderr):
         build_shm_op()
 
