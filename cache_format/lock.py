@@ -35,6 +35,11 @@ class DirLock:
         self._fd = fd
         return self
 
+    @property
+    def fd(self):
+        """The held lock's descriptor (a child given it keeps the lock held while it lives), or None."""
+        return self._fd
+
     def release(self):
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)

@@ -70,7 +70,6 @@ class OnpolicyConfig:
 OWN_PRECOMPUTE = ("teacher", "data", "out", "store", "alias", "mode", "generator", "location_file")
 OWN_TRAIN = ("cache", "student", "out", "max_steps", "epochs", "until_step", "new_cache", "resume", "stop_after",
              "mix_cache", "mix_lambda")
-STOP_AFTER = "KDCACHE_ONPOLICY_STOP_AFTER"     # testing aid: the trainer's --stop-after, in the round it falls in
 
 
 def _names(cls):
@@ -184,9 +183,6 @@ def _train(cfg, train, r, entry, stop, lock):
                  until_step=until, new_cache=True, resume="auto")
     if cfg.offpolicy_cache:
         stage.update(mix_cache=cfg.offpolicy_cache, mix_lambda=cfg.lmbda)
-    stop_after = int(os.environ.get(STOP_AFTER, "0"))
-    if r * n < stop_after < until:
-        stage["stop_after"] = stop_after
     _write_yaml(os.path.join(d, "train.yaml"), stage)
     _say(f"round {r + 1}/{cfg.rounds}: training steps {r * n + 1}-{until} on {entry['cache']}")
     code = _stage(["train", "--config", os.path.join(d, "train.yaml")], stop, lock)
@@ -253,7 +249,7 @@ def _stage(args, stop, lock):
 def _lock(out):
     """Hold DIR for this run. Held by another live `kdcache onpolicy`: refused. Held only by the stages of one
     that was killed (they inherit the lock and stop after their checkpoint): waited for."""
-    lock = RunLock(out, LOCK, refusal="Another `kdcache onpolicy` is running in this --out: wait for it, stop it, "
+    lock = DirLock(out, LOCK, refusal="Another `kdcache onpolicy` is running in this --out: wait for it, stop it, "
                    "or pass another --out.")
     deadline = None
     while True:
@@ -269,12 +265,6 @@ def _lock(out):
             if time.time() > deadline:
                 raise
             time.sleep(0.5)
-
-
-class RunLock(DirLock):
-    @property
-    def fd(self):
-        return self._fd
 
 
 def _holder_pid(out):
