@@ -9,7 +9,7 @@ import pyarrow as pa
 from . import layout
 from .compact import VALUE_DTYPES, id_dtype_of
 from .errors import ShardError
-from .manifest import FORMAT_VERSION, READS_VERSIONS
+from .manifest import FORMAT_VERSION, READS_VERSIONS, SAMPLED_VERSION
 from .publish import write_new
 
 EXT = "arrow"
@@ -32,17 +32,21 @@ COLUMNS = (("input_ids", np.int32, "token_offsets"), ("positions", np.int32, "po
            ("topk_counts", np.uint16, "position_offsets"), ("tail_mass", np.float32, "position_offsets"),
            ("target_logprobs", np.float32, "position_offsets"), ("topk_ids", None, "entry_offsets"),
            ("topk_values", None, "entry_offsets"))
+SAMPLED = (("sample_counts", np.uint8, "entry_offsets"),)              # format 3: after topk_values
 OPTIONAL = (("behavior_logprobs", np.float32, "position_offsets"),)    # last, where the records carry it
 
 
-def schema(top_k, logprob_dtype, id_dtype, optional=()):
+def schema(top_k, logprob_dtype, id_dtype, optional=(), sample=0):
     shard = {"topk_ids": np.dtype(id_dtype), "topk_values": np.dtype(VALUE_DTYPES[logprob_dtype])}
+    meta = {"kdcache.format_version": str(SAMPLED_VERSION if sample else FORMAT_VERSION), "kdcache.top_k": str(top_k),
+            "kdcache.rows_per_batch": str(ROWS_PER_BATCH), "kdcache.logprob_dtype": logprob_dtype}
+    if sample:
+        meta["kdcache.sample"] = str(sample)
     return pa.schema(
         [("sample_id", pa.int64()), ("truncated", pa.bool_())] +
         [(name, pa.list_(ARROW_TYPES[np.dtype(dt or shard[name])]))
-         for name, dt, _ in COLUMNS + tuple(c for c in OPTIONAL if c[0] in optional)],
-        metadata={"kdcache.format_version": str(FORMAT_VERSION), "kdcache.top_k": str(top_k),
-                  "kdcache.rows_per_batch": str(ROWS_PER_BATCH), "kdcache.logprob_dtype": logprob_dtype})
+         for name, dt, _ in COLUMNS + (SAMPLED if sample else ()) + tuple(c for c in OPTIONAL if c[0] in optional)],
+        metadata=meta)
 
 
 INT32_MAX = 2**31 - 1      # Arrow list offsets are int32: a record batch's column holds at most this many values
@@ -54,7 +58,7 @@ def _batch(cols: layout.Columns, sch):
         raise ShardError(f"{ROWS_PER_BATCH} samples hold {int(entry[-1]):,} top-k entries, more than an Arrow list "
                          f"column's int32 offsets can address ({INT32_MAX:,}); write this cache with --format zarr")
     arrays = [pa.array(cols.sample_id, pa.int64()), pa.array(cols.truncated, pa.bool_())]
-    for name, _, off in COLUMNS + tuple(c for c in OPTIONAL if c[0] in sch.names):
+    for name, _, off in COLUMNS + tuple(c for c in SAMPLED + OPTIONAL if c[0] in sch.names):
         offsets = entry if off == "entry_offsets" else getattr(cols, off)
         values = getattr(cols, name)
         if values is None:                 # an optional column this batch's records lack: NaN, as SPEC.md says
@@ -63,20 +67,20 @@ def _batch(cols: layout.Columns, sch):
     return pa.record_batch(arrays, schema=sch)
 
 
-def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_CODEC):
+def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_CODEC, sample=0):
     """Write checked records to `path` atomically. Returns (bytes, sha256)."""
     if codec not in CODECS:
         raise ShardError(f"{path}: arrow codec must be one of {CODECS}, got {codec!r}")
     id_dtype = id_dtype_of(records)
-    sch = schema(top_k, logprob_dtype, id_dtype, optional=[n for n, _, _ in OPTIONAL
-                                                           if any(getattr(r, n) is not None for r in records)])
+    sch = schema(top_k, logprob_dtype, id_dtype, sample=sample,
+                 optional=[n for n, _, _ in OPTIONAL if any(getattr(r, n) is not None for r in records)])
     opts = _options(codec)
 
     def fill(tmp):
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, sch, options=opts) as w:
             for i in range(0, len(records), ROWS_PER_BATCH):
                 cols = layout.encode(records[i:i + ROWS_PER_BATCH], top_k=top_k, logprob_dtype=logprob_dtype,
-                                     id_dtype=id_dtype)
+                                     id_dtype=id_dtype, sample=sample)
                 try:
                     w.write_batch(_batch(cols, sch))
                 except ShardError as e:
@@ -104,6 +108,9 @@ class Shard:
         if got_k != top_k:
             raise ShardError(f"{path}: top_k is {got_k} in the shard but {top_k} in the manifest")
         self.logprob_dtype = _logprob_dtype(self._file.schema, meta, self.version)
+        self.sample = int(meta.get(b"kdcache.sample", b"0")) if self.version >= SAMPLED_VERSION else 0
+        if self.version >= SAMPLED_VERSION and not (self.sample >= 1 and "sample_counts" in self._file.schema.names):
+            raise ShardError(f"{path}: a format {self.version} shard without its draws per position or their counts")
         # Every batch but the last holds exactly rows_per_batch rows (SPEC.md).
         rpb = int(meta[b"kdcache.rows_per_batch"])
         nb = self._file.num_record_batches
@@ -130,7 +137,8 @@ class Shard:
                 cols = _columns(batch) if self.version >= 2 else _columns_v1(batch, self.top_k)
             except (OSError, pa.ArrowInvalid) as e:
                 raise ShardError(f"{self.path}: record batch {b} is unreadable ({e})") from e
-            self._cached = (b, layout.Decoded(cols, top_k=self.top_k, logprob_dtype=self.logprob_dtype))
+            self._cached = (b, layout.Decoded(cols, top_k=self.top_k, logprob_dtype=self.logprob_dtype,
+                                              sample=self.sample))
         return self._cached[1]
 
     def __getitem__(self, row):
@@ -165,7 +173,8 @@ def _flat(col):
 
 
 def _columns(batch):
-    got = {name: _flat(batch.column(name)) for name, _, _ in COLUMNS + OPTIONAL if name in batch.schema.names}
+    got = {name: _flat(batch.column(name)) for name, _, _ in COLUMNS + SAMPLED + OPTIONAL
+           if name in batch.schema.names}
     return layout.Columns(
         sample_id=batch.column("sample_id").to_numpy(),
         truncated=batch.column("truncated").to_numpy(zero_copy_only=False),

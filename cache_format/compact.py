@@ -53,18 +53,24 @@ def stored_logprobs(logprobs, logprob_dtype):
     return np.asarray(logprobs).astype(VALUE_DTYPES[logprob_dtype]).astype(np.float32)
 
 
-def pack_entries(ids, logprobs, counts, logprob_dtype, id_dtype=np.int32):
-    """Dense [P, k] rows (the first counts[p] slots used) -> flat (topk_ids, topk_values) streams."""
+def pack_entries(ids, logprobs, counts, logprob_dtype, id_dtype=np.int32, by_id=False, extra=None):
+    """Dense [P, k] rows (the first counts[p] slots used) -> flat (topk_ids, topk_values, extra) streams.
+
+    by_id (sqrt8, or a sampled cache): entries in ascending id order, each id as its step from the previous one.
+    extra: another dense [P, k] per-entry array (a sampled cache's draw counts), flattened in the same order."""
     used = np.arange(ids.shape[1])[None, :] < np.asarray(counts)[:, None]
-    if logprob_dtype != "sqrt8":
+    if logprob_dtype != "sqrt8" and not by_id:
+        vals = logprobs.astype(VALUE_DTYPES[logprob_dtype])
         if used.all():
-            return ids.astype(id_dtype).reshape(-1), logprobs.astype(VALUE_DTYPES[logprob_dtype]).reshape(-1)
-        return ids[used].astype(id_dtype), logprobs[used].astype(VALUE_DTYPES[logprob_dtype])
+            return ids.astype(id_dtype).reshape(-1), vals.reshape(-1), None if extra is None else extra.reshape(-1)
+        return ids[used].astype(id_dtype), vals[used], None if extra is None else extra[used]
     order = np.argsort(np.where(used, ids, np.iinfo(np.int32).max), axis=1, kind="stable")
     tid = np.take_along_axis(ids, order, axis=1).astype(np.int64)          # ascending ids, unused slots last
     steps = np.diff(tid, axis=1, prepend=0)                                  # id minus the previous id (first: id)
-    levels = quantize(np.take_along_axis(logprobs, order, axis=1))
-    return steps[used].astype(id_dtype), levels[used]
+    lps = np.take_along_axis(logprobs, order, axis=1)
+    vals = quantize(lps) if logprob_dtype == "sqrt8" else lps.astype(VALUE_DTYPES[logprob_dtype])
+    extra = None if extra is None else np.take_along_axis(extra, order, axis=1)[used]
+    return steps[used].astype(id_dtype), vals[used], extra
 
 
 def id_dtype_of(records):
@@ -84,26 +90,30 @@ def _dequantize_lut():
     return _LUT
 
 
-def unpack_entries(counts, topk_ids, topk_values, logprob_dtype, top_k):
-    """Flat streams -> dense (ids int32 [P, k], logprobs float32 [P, k]); unused slots id -1, log-prob -inf."""
+def unpack_entries(counts, topk_ids, topk_values, logprob_dtype, top_k, by_id=False, extra=None):
+    """Flat streams -> dense (ids int32 [P, k], logprobs float32 [P, k], extra [P, k] or None); unused slots id -1,
+    log-prob -inf, extra 0. by_id: the ids are steps (sqrt8 always; see pack_entries)."""
     counts = np.asarray(counts, dtype=np.int64)
     P = len(counts)
     full = bool(P) and bool(np.all(counts == top_k))         # a cache without top-p: a reshape, no scatter
     if full:
         used, ids, vals = None, topk_ids.reshape(P, top_k), topk_values.reshape(P, top_k)
+        extra = None if extra is None else extra.reshape(P, top_k)
     else:
         used = np.arange(top_k)[None, :] < counts[:, None]
         ids = np.zeros((P, top_k), dtype=topk_ids.dtype)
         vals = np.zeros((P, top_k), dtype=topk_values.dtype)
         ids[used], vals[used] = topk_ids, topk_values
-    if logprob_dtype == "sqrt8":
-        ids = np.cumsum(ids, axis=1, dtype=np.int32)
-        lps = _dequantize_lut()[vals]
-    else:
-        ids, lps = ids.astype(np.int32, copy=False), vals.astype(np.float32)
+        if extra is not None:
+            dense = np.zeros((P, top_k), dtype=extra.dtype)
+            dense[used] = extra
+            extra = dense
+    ids = np.cumsum(ids, axis=1, dtype=np.int32) if logprob_dtype == "sqrt8" or by_id else \
+        ids.astype(np.int32, copy=False)
+    lps = _dequantize_lut()[vals] if logprob_dtype == "sqrt8" else vals.astype(np.float32)
     if not full:
         ids[~used], lps[~used] = -1, -np.inf
-    return ids, lps
+    return ids, lps, extra
 
 
 def kl_to_exact(exact_lp, stored_lp, stored_tail, vocab_size):
@@ -117,7 +127,8 @@ def kl_to_exact(exact_lp, stored_lp, stored_tail, vocab_size):
     q = np.exp(np.asarray(stored_lp, dtype=np.float64))
     n = np.isfinite(stored_lp).sum(axis=1)
     share = np.asarray(stored_tail, dtype=np.float64) / np.maximum(vocab_size - n, 1)
-    q = np.where(np.isfinite(stored_lp), q, share[:, None])
+    # a slot without an exact value (a sampled row's unused slots) is no entry at all: it gets nothing
+    q = np.where(np.isfinite(stored_lp), q, np.where(np.isfinite(exact_lp), share[:, None], 0.0))
     p, q = p / p.sum(1, keepdims=True), q / q.sum(1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
         terms = np.where(p > 0, p * (np.log(p) - np.log(np.maximum(q, 1e-300))), 0.0)
@@ -137,4 +148,32 @@ def to_store(rec, *, top_p, logprob_dtype, vocab_size):
         tail = tail_mass_from_logprobs(lps)
     kl = kl_to_exact(rec.topk_logprobs, stored_logprobs(lps, logprob_dtype), tail, vocab_size)
     return Record(rec.sample_id, rec.input_ids, rec.positions, ids, lps, tail, rec.truncated,
-                  rec.target_logprobs, rec.behavior_logprobs), kl
+                  rec.target_logprobs, rec.behavior_logprobs, rec.sample_counts), kl
+
+
+def sampled_rows(top_ids, top_logprobs, draw_ids, draw_logprobs):
+    """A sampled cache's dense rows (--sample N, SPEC.md 4.3): the exact top-M entries, then each distinct drawn
+    id once with how many of the N draws gave it.
+
+    top_ids/top_logprobs [P, M] (M may be 0); draw_ids/draw_logprobs [P, N]: the draws, each with the teacher's
+    log-prob of the drawn id. Returns (ids int32 [P, M + N], logprobs float32 [P, M + N], counts int32
+    [P, M + N]); slots past a row's distinct draws hold id -1, log-prob -inf, count 0."""
+    top_ids, draw_ids = np.asarray(top_ids, np.int64), np.asarray(draw_ids, np.int64)
+    P, N = draw_ids.shape
+    order = np.argsort(draw_ids, axis=1, kind="stable")
+    d = np.take_along_axis(draw_ids, order, axis=1)
+    lp = np.take_along_axis(np.asarray(draw_logprobs, np.float32), order, axis=1)
+    first = np.ones((P, N), dtype=bool)
+    first[:, 1:] = d[:, 1:] != d[:, :-1]
+    slot = np.cumsum(first, axis=1) - 1                       # each draw's place among its row's distinct ids
+    rows = np.repeat(np.arange(P), N).reshape(P, N)
+    counts = np.zeros((P, N), np.int32)
+    np.add.at(counts, (rows, slot), 1)
+    ids = np.full((P, N), -1, np.int64)
+    lps = np.full((P, N), -np.inf, np.float32)
+    ids[rows[first], slot[first]] = d[first]
+    lps[rows[first], slot[first]] = lp[first]
+    M = top_ids.shape[1]
+    return (np.concatenate([top_ids, ids], axis=1).astype(np.int32),
+            np.concatenate([np.asarray(top_logprobs, np.float32).reshape(P, M), lps], axis=1),
+            np.concatenate([np.zeros((P, M), np.int32), counts], axis=1))

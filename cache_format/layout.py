@@ -7,6 +7,8 @@ Every shard holds the same columns, flat and CSR-indexed per sample:
                 behavior_logprobs float32 (optional: only in shards whose records carry it)
   per entry     topk_ids (uint16, or int32 where an id exceeds 65535), topk_values: topk_counts[p] entries per
                 position; float16/float32: ids and log-probs in rank order; sqrt8: see compact.py
+                sample_counts uint8 (format 3, a sampled cache only): draws per entry, 0 for exact entries; the
+                entries then come in ascending id order, ids as steps, whatever the log-prob coding
 Encoding and decoding are vectorised over a whole block of samples: no per-position Python loop.
 """
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ class Columns:
     topk_ids: np.ndarray
     topk_values: np.ndarray
     behavior_logprobs: np.ndarray | None = None     # None: the shard has no such column
+    sample_counts: np.ndarray | None = None         # per entry; None: not a sampled shard
 
     @property
     def entry_offsets(self):
@@ -45,6 +48,7 @@ PER_TOKEN = ("input_ids",)
 PER_POSITION = ("positions", "topk_counts", "tail_mass", "target_logprobs")
 OPTIONAL = ("behavior_logprobs",)       # per position, written only where the records carry it
 PER_ENTRY = ("topk_ids", "topk_values")
+SAMPLED = ("sample_counts",)            # per entry, in sampled shards only (format 3)
 
 
 def offsets(lengths):
@@ -57,13 +61,18 @@ def _cat(parts, dtype, empty_shape=(0,)):
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(empty_shape, dtype)
 
 
-def encode(records, *, top_k, logprob_dtype, id_dtype=None) -> Columns:
+def encode(records, *, top_k, logprob_dtype, id_dtype=None, sample=0) -> Columns:
     """Checked records (dense [P, k] rows, -1 ids past a row's count) -> Columns. id_dtype: of topk_ids
-    (default compact.id_dtype_of(records); a backend writing a shard in parts passes the shard's)."""
-    ids = _cat([r.topk_ids for r in records], np.int32, (0, top_k))
-    lps = _cat([r.topk_logprobs for r in records], np.float32, (0, top_k))
+    (default compact.id_dtype_of(records); a backend writing a shard in parts passes the shard's). sample: a
+    sampled cache's draws per position (rows are then top_k + sample wide, with their sample_counts)."""
+    width = top_k + sample
+    ids = _cat([r.topk_ids for r in records], np.int32, (0, width))
+    lps = _cat([r.topk_logprobs for r in records], np.float32, (0, width))
     counts = (ids >= 0).sum(axis=1)
-    tid, tval = compact.pack_entries(ids, lps, counts, logprob_dtype, id_dtype or compact.id_dtype_of(records))
+    draws = _cat([r.sample_counts for r in records], np.uint8, (0, width)) if sample else None
+    tid, tval, draws = compact.pack_entries(ids, lps, counts, logprob_dtype,
+                                            id_dtype or compact.id_dtype_of(records), by_id=bool(sample),
+                                            extra=draws)
     nan = np.float32(np.nan)
     return Columns(
         sample_id=np.array([r.sample_id for r in records], dtype=np.int64),
@@ -76,7 +85,7 @@ def encode(records, *, top_k, logprob_dtype, id_dtype=None) -> Columns:
         tail_mass=_cat([r.tail_mass for r in records], np.float32),
         target_logprobs=_cat([np.full(len(r.positions), nan) if r.target_logprobs is None else r.target_logprobs
                               for r in records], np.float32),
-        topk_ids=tid, topk_values=tval,
+        topk_ids=tid, topk_values=tval, sample_counts=draws,
         behavior_logprobs=_cat([np.full(len(r.positions), nan) if r.behavior_logprobs is None else
                                 r.behavior_logprobs for r in records], np.float32)
         if any(r.behavior_logprobs is not None for r in records) else None)
@@ -85,10 +94,11 @@ def encode(records, *, top_k, logprob_dtype, id_dtype=None) -> Columns:
 class Decoded:
     """A decoded block: record(i) for its i-th sample, views into dense padded [P, k] arrays."""
 
-    def __init__(self, cols: Columns, *, top_k, logprob_dtype):
+    def __init__(self, cols: Columns, *, top_k, logprob_dtype, sample=0):
         self.cols = cols
-        self.ids, self.lps = compact.unpack_entries(cols.topk_counts, cols.topk_ids, cols.topk_values,
-                                                    logprob_dtype, top_k)
+        self.ids, self.lps, self.draws = compact.unpack_entries(
+            cols.topk_counts, cols.topk_ids, cols.topk_values, logprob_dtype, top_k + sample, by_id=bool(sample),
+            extra=None if cols.sample_counts is None else cols.sample_counts.astype(np.int32))
         self.has_target = not np.isnan(cols.target_logprobs).all()
 
     def __len__(self):
@@ -100,4 +110,5 @@ class Decoded:
         return Record(int(c.sample_id[i]), c.input_ids[t0:t1], c.positions[p0:p1], self.ids[p0:p1],
                       self.lps[p0:p1], c.tail_mass[p0:p1], bool(c.truncated[i]),
                       c.target_logprobs[p0:p1] if self.has_target else None,
-                      None if c.behavior_logprobs is None else c.behavior_logprobs[p0:p1])
+                      None if c.behavior_logprobs is None else c.behavior_logprobs[p0:p1],
+                      None if self.draws is None else self.draws[p0:p1])

@@ -14,8 +14,10 @@ from .errors import ManifestError, ManifestMissing
 from .location import as_location
 
 FORMAT_NAME = "kdcache-logits"
-FORMAT_VERSION = 2                 # what this writer writes
-READS_VERSIONS = (1, 2)            # what its readers read (SPEC.md section 8)
+FORMAT_VERSION = 2                 # what this writer writes, but for sampled caches
+SAMPLED_VERSION = 3                # what it writes for a sampled cache (--sample N: SPEC.md 4.3)
+READS_VERSIONS = (1, 2, 3)         # what its readers read (SPEC.md section 8)
+MAX_SAMPLE = 255                   # draws per position: a draw count fits a byte
 MANIFEST_NAME = "manifest.json"
 SHARD_DIR = "shards"
 REQUIRED = ("format", "format_version", "backend", "top_k", "vocab_size", "eos_token_ids",
@@ -78,7 +80,7 @@ class ShardEntry:
 
 
 # Keys that are typed attributes of Manifest; any other key a manifest holds is kept as it is.
-_OPTIONAL = ("top_p", "fingerprint_parts", "created", "updated", "meta", "plan", "writer_generation")
+_OPTIONAL = ("top_p", "sample", "fingerprint_parts", "created", "updated", "meta", "plan", "writer_generation")
 
 
 class Manifest:
@@ -100,6 +102,7 @@ class Manifest:
         self.counts = dict(data["counts"])
         self.shards = sorted((ShardEntry.from_json(s) for s in data["shards"]), key=lambda s: s.index)
         self.top_p = data.get("top_p")
+        self.sample = data.get("sample")             # a sampled cache's draws per position, or None
         self.fingerprint_parts = data.get("fingerprint_parts", {})
         self.created, self.updated = data.get("created"), data.get("updated")
         self.meta = dict(data.get("meta") or {})
@@ -162,19 +165,21 @@ class Manifest:
 
 
 def new_manifest(*, backend, top_k, vocab_size, eos_token_ids, fingerprint, fingerprint_parts,
-                 num_shards_planned, logprob_dtype="float16", top_p=None, meta=None, plan=None) -> Manifest:
+                 num_shards_planned, logprob_dtype="float16", top_p=None, meta=None, plan=None,
+                 sample=0) -> Manifest:
     if logprob_dtype not in LOGPROB_DTYPES:
         raise ManifestError(f"logprob_dtype must be one of {LOGPROB_DTYPES}, got {logprob_dtype!r}")
     now = _now()
     return Manifest({
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": SAMPLED_VERSION if sample else FORMAT_VERSION,
         "backend": backend,
         "top_k": int(top_k),
         "vocab_size": int(vocab_size),
         "eos_token_ids": sorted(int(t) for t in eos_token_ids),
         "logprob_dtype": logprob_dtype,
         "top_p": None if top_p is None else float(top_p),
+        **({"sample": int(sample)} if sample else {}),
         "fingerprint": fingerprint,
         "fingerprint_parts": fingerprint_parts,
         "num_shards_planned": int(num_shards_planned),
@@ -272,6 +277,12 @@ def validate_manifest(m, where):
     top_p = m.get("top_p")
     if top_p is not None and not (isinstance(top_p, float) and 0.0 < top_p <= 1.0):
         bad(f"top_p must be null or a number in (0, 1], found {top_p!r}")
+    sample = m.get("sample")
+    if version == SAMPLED_VERSION and not (_count(sample, 1) and sample <= MAX_SAMPLE and top_p is None):
+        bad(f"a format {SAMPLED_VERSION} (sampled) cache needs sample, its draws per position, in "
+            f"[1, {MAX_SAMPLE}] and top_p null; found sample {sample!r}, top_p {top_p!r}")
+    if version != SAMPLED_VERSION and sample is not None:
+        bad(f"sample is set ({sample!r}) but format_version is {version}, not {SAMPLED_VERSION}")
     for key, ok, need in [
         ("backend", isinstance(m["backend"], str), "a string"),
         ("top_k", _count(m["top_k"]), "an integer >= 0"),

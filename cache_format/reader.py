@@ -44,6 +44,7 @@ class Cache:
             self.manifest = self._load(retry=track_use)
             self.shards = self.manifest.shards
             self.top_k = self.manifest.top_k
+            self.sample = self.manifest.sample or 0     # a sampled cache's draws per position (SPEC.md 4.3)
             self._reader_cls = get_format(self.manifest.backend).Shard
             self._starts = [0]
             for s in self.shards:
@@ -92,6 +93,8 @@ class Cache:
         reader = self._reader_cls(path, self.top_k)
         if len(reader) != info.num_samples:
             raise ShardError(f"{path}: holds {len(reader)} samples, the manifest says {info.num_samples}")
+        if getattr(reader, "sample", 0) != self.sample:
+            raise ShardError(f"{path}: {reader.sample} draws per position in the shard, {self.sample} in the manifest")
         self._open[j] = reader
         if len(self._open) > OPEN_SHARDS:
             self._open.popitem(last=False)

@@ -35,6 +35,10 @@ class Record:
       behavior_logprobs float32 [P]  generate mode: the log-prob the generator sampled the target with (its
                                    distribution at the sampling temperature, after top-p; 0 for greedy decoding),
                                    for importance weights; None in caches without it
+      sample_counts  int32 [P, k]  a sampled cache (--sample N, format 3): how many of the position's N draws gave
+                                   each entry's id; 0 for the exact top entries (and unused slots). Then k is the
+                                   exact top-k plus N, tail_mass the mass outside the exact entries (what the
+                                   draws were taken from), and the entries come in any order. None otherwise
     """
     sample_id: int
     input_ids: np.ndarray
@@ -45,6 +49,7 @@ class Record:
     truncated: bool = False
     target_logprobs: np.ndarray | None = None
     behavior_logprobs: np.ndarray | None = None
+    sample_counts: np.ndarray | None = None
 
     @property
     def targets(self):
@@ -75,14 +80,17 @@ def lacks_end_of_turn(targets, truncated, eos_token_ids) -> bool:
 
 
 def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True, ragged: bool = False,
-                 mass_tol: float | None = MAX_EXCESS_MASS) -> Record:
+                 mass_tol: float | None = MAX_EXCESS_MASS, sample: int = 0) -> Record:
     """Coerce dtypes, derive a missing tail_mass, check shapes and invariants; raise RecordError naming the sample.
 
     The one rule for every teacher backend and for verify: ids in [0, vocab_size) and unique within a row, -1
     (an unused slot) only in a ragged cache (ragged: its manifest's top_p is set), log-probs finite and <= 0
     whose probabilities sum to at most 1 + mass_tol (None: not checked here; verify checks stored rows with the
     rounding of their dtype). ranked: entries must be in descending log-prob order (what writers take; a sqrt8
-    cache reads back by id)."""
+    cache reads back by id). sample: a sampled cache's draws per position (0: not sampled); top_k is then the
+    row width, the exact top entries plus `sample`, and the rows are ragged and unranked."""
+    if sample:
+        return _check_sampled(rec, top_k, vocab_size, mass_tol, sample)
     sid = rec.sample_id
     ids = np.ascontiguousarray(rec.input_ids, dtype=np.int32)
     pos = np.ascontiguousarray(rec.positions, dtype=np.int32)
@@ -141,6 +149,39 @@ def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True, 
     target = _per_position_logprobs("target_logprobs", target, P, bad)
     behavior = _per_position_logprobs("behavior_logprobs", behavior, P, bad)
     return Record(int(sid), ids, pos, tid, tlp, np.clip(tail, 0.0, 1.0), bool(rec.truncated), target, behavior)
+
+
+def _check_sampled(rec, width, vocab_size, mass_tol, sample):
+    """check_record for a sampled cache: the common checks on ragged, unranked rows, then the draws. The exact
+    entries (count 0) number width - sample on every row; the counts of the drawn ones sum to `sample`; tail_mass
+    is the mass outside the exact entries (derived from them when not given)."""
+    tid = np.asarray(rec.topk_ids)
+    counts = None if rec.sample_counts is None else np.asarray(rec.sample_counts)
+
+    def bad(msg):
+        raise RecordError(f"sample {rec.sample_id}: {msg}")
+
+    if counts is None or counts.shape != tid.shape:
+        bad(f"a sampled cache needs sample_counts shaped like topk_ids {tid.shape}, got "
+            f"{None if counts is None else counts.shape}")
+    counts = counts.astype(np.int32)
+    exact = (tid >= 0) & (counts == 0)
+    tail = rec.tail_mass
+    if tail is None:
+        lp = np.asarray(rec.topk_logprobs, np.float32)
+        tail = tail_mass_from_logprobs(np.where(exact, np.maximum(lp, LOGPROB_FLOOR), -np.inf))
+    out = check_record(Record(rec.sample_id, rec.input_ids, rec.positions, tid, rec.topk_logprobs, tail,
+                              rec.truncated, rec.target_logprobs, rec.behavior_logprobs),
+                       width, vocab_size, ranked=False, ragged=True, mass_tol=mass_tol)
+    used = out.topk_ids >= 0
+    wrong = (counts < 0).any(axis=1) | (np.where(used, 0, counts) != 0).any(axis=1) | (counts.sum(axis=1) != sample)
+    if wrong.any():
+        bad(f"position {out.positions[int(np.flatnonzero(wrong)[0])]}: its draw counts must be >= 0, 0 in unused "
+            f"slots, and sum to the {sample} draws")
+    if np.any(exact.sum(axis=1) != width - sample):
+        bad(f"every position needs exactly {width - sample} exact (count 0) entries")
+    out.sample_counts = counts
+    return out
 
 
 def _per_position_logprobs(name, values, P, bad):

@@ -119,12 +119,17 @@ def _verify_records(path, m, info, rep, seen_ids):
     eos = np.array(m.eos_token_ids, dtype=np.int64)
     tol = MASS_TOL[m.logprob_dtype]
     reader = get_format(m.backend).Shard(path, k)
+    sample = m.sample or 0
+    if getattr(reader, "sample", 0) != sample:
+        rep.problems.append((name, f"{reader.sample} draws per position in the shard, {sample} in the manifest"))
+        return
     n = tokens = positions = 0
     prev = None
     for rec in reader:
         n += 1
         try:
-            check_record(rec, k, V, ranked=m.logprob_dtype != "sqrt8", ragged=m.top_p is not None, mass_tol=None)
+            check_record(rec, k + sample, V, ranked=m.logprob_dtype != "sqrt8", ragged=m.top_p is not None,
+                         mass_tol=None, sample=sample)
         except RecordError as e:
             rep.problems.append((name, str(e)))
             continue
@@ -141,6 +146,8 @@ def _verify_records(path, m, info, rep, seen_ids):
         seen_ids.add(sid)
         prev = sid
         p = np.exp(rec.topk_logprobs.astype(np.float64))
+        if sample:                              # the tail is the mass outside the exact entries
+            p = np.where(rec.sample_counts == 0, p, 0.0)
         mass = p.sum(-1) + rec.tail_mass
         if np.any(np.abs(mass - 1) > tol + sqrt8_mass_error(p, m.logprob_dtype)):
             rep.problems.append((name, f"sample {sid}: top-k mass + tail_mass spans "

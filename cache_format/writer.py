@@ -45,7 +45,8 @@ def write_shard_file(directory, index, records, *, storage: Storage, vocab_size,
     """
     checked, kls = [], []
     for r in records:
-        rec, kl = to_store(check_record(r, storage.top_k, vocab_size, ragged=storage.top_p is not None),
+        rec, kl = to_store(check_record(r, storage.width, vocab_size, ragged=storage.top_p is not None,
+                                        sample=storage.sample),
                            top_p=storage.top_p,
                            logprob_dtype=storage.logprob_dtype, vocab_size=vocab_size)
         checked.append(rec)
@@ -53,7 +54,7 @@ def write_shard_file(directory, index, records, *, storage: Storage, vocab_size,
     mod = storage.module
     rel = shard_name(index, mod.EXT, tag)
     loc = as_location(directory)
-    kw = dict(top_k=storage.top_k, logprob_dtype=storage.logprob_dtype, codec=storage.codec)
+    kw = dict(top_k=storage.top_k, logprob_dtype=storage.logprob_dtype, codec=storage.codec, sample=storage.sample)
     if not loc.remote:
         os.makedirs(os.path.join(loc.url, SHARD_DIR), exist_ok=True)
         size, digest = mod.write_shard(loc.path(rel), checked, **kw)
@@ -142,7 +143,7 @@ class CacheWriter:
         self._init = dict(backend=storage.format, top_k=storage.top_k, vocab_size=vocab_size,
                           eos_token_ids=eos_token_ids, fingerprint=fp, fingerprint_parts=parts,
                           num_shards_planned=num_shards_planned, logprob_dtype=storage.logprob_dtype,
-                          top_p=storage.top_p, meta=meta, plan=self.plan)
+                          top_p=storage.top_p, meta=meta, plan=self.plan, sample=storage.sample)
         self._lock = (Lease(self.location, LOCK_NAME, exclusive=True) if self.location.remote
                       else DirLock(self.directory))
         # This job's shards carry its id in their names (see write_shard_file): its lease id on object

@@ -19,7 +19,7 @@ from zarr.core.sync import sync
 from . import layout
 from .errors import ShardError
 from .fingerprint import check_shard_tree
-from .manifest import FORMAT_VERSION, READS_VERSIONS
+from .manifest import FORMAT_VERSION, READS_VERSIONS, SAMPLED_VERSION
 from .publish import write_new
 
 EXT = "zarr"
@@ -56,19 +56,20 @@ ARRAYS = (("sample_id", TOKEN_CHUNK), ("truncated", TOKEN_CHUNK), ("token_offset
           ("topk_counts", TOKEN_CHUNK), ("tail_mass", TOKEN_CHUNK), ("target_logprobs", TOKEN_CHUNK),
           ("topk_ids", ENTRY_CHUNK), ("topk_values", ENTRY_CHUNK))
 OPTIONAL = (("behavior_logprobs", TOKEN_CHUNK),)      # per position, written only where the records carry it
+SAMPLED = (("sample_counts", ENTRY_CHUNK),)           # per entry, in sampled shards (format 3)
 
 
-def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_CODEC):
+def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_CODEC, sample=0):
     """Write checked records to the group directory `path` atomically. Returns (bytes, sha256)."""
     if codec not in CODECS:
         raise ShardError(f"{path}: zarr codec must be one of {CODECS}, got {codec!r}")
-    cols = layout.encode(records, top_k=top_k, logprob_dtype=logprob_dtype)
+    cols = layout.encode(records, top_k=top_k, logprob_dtype=logprob_dtype, sample=sample)
+    attrs = {"kdcache_format_version": SAMPLED_VERSION if sample else FORMAT_VERSION, "top_k": top_k,
+             "num_samples": len(records), "logprob_dtype": logprob_dtype, **({"sample": sample} if sample else {})}
 
     def fill(tmp):
-        g = zarr.open_group(zarr.storage.LocalStore(tmp), mode="w", zarr_format=3, attributes={
-            "kdcache_format_version": FORMAT_VERSION, "top_k": top_k, "num_samples": len(records),
-            "logprob_dtype": logprob_dtype})
-        for name, chunk in ARRAYS + OPTIONAL:
+        g = zarr.open_group(zarr.storage.LocalStore(tmp), mode="w", zarr_format=3, attributes=attrs)
+        for name, chunk in ARRAYS + SAMPLED + OPTIONAL:
             if getattr(cols, name) is not None:
                 _put(g, name, getattr(cols, name), chunk, codec)
 
@@ -97,7 +98,7 @@ async def _open(path):
     payload = V1_PAYLOAD if version == 1 else PAYLOAD
     if version != 1:
         names = {n async for n in g.array_keys()}
-        payload += tuple(n for n, _ in OPTIONAL if n in names)
+        payload += tuple(n for n, _ in SAMPLED + OPTIONAL if n in names)
     index = INDEX + (() if version == 1 else ("topk_counts",))
     arrays = dict(zip(payload + index, await asyncio.gather(*(g.getitem(n) for n in payload + index))))
     got = await asyncio.gather(*(arrays[n].getitem(slice(None)) for n in index))
@@ -127,6 +128,10 @@ class Shard:
             raise ShardError(f"{path}: shard format version {self.version!r}, this reader reads "
                              f"{'/'.join(map(str, READS_VERSIONS))}; upgrade kdcache or re-run precompute")
         v1 = self.version == 1
+        self.sample = attrs.get("sample", 0) if self.version >= SAMPLED_VERSION else 0
+        if self.version >= SAMPLED_VERSION and not (isinstance(self.sample, int) and self.sample >= 1
+                                                    and "sample_counts" in self._a):
+            raise ShardError(f"{path}: a format {self.version} shard without its draws per position or their counts")
         self._sid, self._trunc = index["sample_id"], index["truncated"]
         self._toff, self._poff = index["token_offsets"], index["position_offsets"]
         got_k = self._a["topk_ids"].shape[1] if v1 else attrs.get("top_k")
@@ -158,6 +163,7 @@ class Shard:
             else:
                 e0, e1 = self._eoff[p0], self._eoff[p1]
                 optional = {n: (p0, p1) for n, _ in OPTIONAL if n in self._a}
+                optional.update({n: (e0, e1) for n, _ in SAMPLED if n in self._a})
                 a = sync(_slices(self._a, {"input_ids": (t0, t1), "positions": (p0, p1), "tail_mass": (p0, p1),
                                            "target_logprobs": (p0, p1), "topk_ids": (e0, e1),
                                            "topk_values": (e0, e1), **optional}))
@@ -170,7 +176,7 @@ class Shard:
                 positions=a["positions"], tail_mass=a["tail_mass"], **per_entry)
         except Exception as e:
             raise ShardError(f"{self.path}: samples [{lo}, {hi}) are unreadable ({type(e).__name__}: {e})") from e
-        return lo, layout.Decoded(cols, top_k=self.top_k, logprob_dtype=self.logprob_dtype)
+        return lo, layout.Decoded(cols, top_k=self.top_k, logprob_dtype=self.logprob_dtype, sample=self.sample)
 
     def __getitem__(self, i):
         if not 0 <= i < len(self):

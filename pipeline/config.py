@@ -2,11 +2,14 @@
 from dataclasses import dataclass
 
 from kdcache.cache_format.compact import LOGPROB_DTYPES
+from kdcache.cache_format.manifest import MAX_SAMPLE
 from kdcache.cache_format.storage import FORMATS, Storage
 from kdcache.common.config import field, validate
 
 from .encode import MAX_MESSAGES
 from .teacher import TEACHERS
+
+DEFAULT_TOP_K = 64
 
 
 @dataclass
@@ -24,8 +27,12 @@ class PrecomputeConfig:
     location_file: str | None = field(None, "write the cache's path or URL to this file as soon as it is known (for "
                                             "scripts that run a job into a store; kdcache onpolicy does)")
     tokenizer: str | None = field(None, "tokenizer directory (default: the teacher's; required for a served teacher)")
-    top_k: int = field(64, "teacher log-probs kept per position (0: none, only each target's own log-prob, all that "
-                               "kdcache train --objective token-rkl reads)")
+    top_k: int | None = field(None, "teacher log-probs kept per position (default 64, or 0 with --sample; 0: none, "
+                                    "only each target's own log-prob, all that kdcache train --objective token-rkl "
+                                    "reads). With --sample: the exact top entries kept beside the draws")
+    sample: int = field(0, "draws per position from the teacher's distribution at temperature 1 (with replacement; "
+                           "from the rest after the exact --top-k when given), stored as distinct ids with their "
+                           "counts and exact log-probs: an unbiased sparse cache (format 3; 1-255; 0: top-k only)")
     backend: str = field("auto", "teacher backend: vllm, hf, served (a URL teacher), or auto: served for a URL, "
                                  "vllm with a CUDA GPU, hf on CPU (faster there)",
                          choices=("auto", *TEACHERS))
@@ -81,15 +88,20 @@ class PrecomputeConfig:
     gen_max_new_tokens: int = field(256, "generate mode: maximum new tokens")
     gen_temperature: float = field(1.0, "generate mode: sampling temperature (0 = greedy)")
     gen_top_p: float = field(1.0, "generate mode: nucleus sampling threshold")
-    seed: int = field(0, "seed for generation")
+    seed: int = field(0, "seed for generation and --sample draws (sample i: seed + its id)")
     progress: bool = field(True, "show a progress bar")
     drop_end_of_turn: bool = field(False, "REPRODUCES A BUG, for control experiments only: leave out the "
                                           "positions that predict an end-of-turn token")
 
     def __post_init__(self):
         codecs = getattr(FORMATS.get(self.format), "CODECS", ())
+        if self.top_k is None:
+            self.top_k = 0 if self.sample else DEFAULT_TOP_K
         validate(self, required=("teacher", "data", "out"), checks=[
             ("top_k", 0 <= self.top_k <= 4096, "must be in [0, 4096] (0: no top-k, only the target log-probs)"),
+            ("sample", 0 <= self.sample <= MAX_SAMPLE, f"must be in [0, {MAX_SAMPLE}] draws per position"),
+            ("top_p", not (self.sample and self.top_p is not None), "does not combine with --sample (a sampled cache "
+                                                                    "keeps an exact top-k plus draws from the rest)"),
             ("top_p", self.top_p is None or 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("codec", self.codec is None or self.codec in codecs,
              f"is not a codec of the {self.format} format (one of {list(codecs)})"),
@@ -111,4 +123,4 @@ class PrecomputeConfig:
 
     def storage(self) -> Storage:
         """How the cache stores the teacher's rows (its CacheWriter owns this one object)."""
-        return Storage(self.format, self.top_k, self.logprob_dtype, self.codec, self.top_p)
+        return Storage(self.format, self.top_k, self.logprob_dtype, self.codec, self.top_p, self.sample)

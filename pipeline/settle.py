@@ -56,6 +56,8 @@ class Job:
         return WorkerSpec(
             self.teacher_backend, cfg.teacher,
             teacher_kwargs=dict(dtype=self.dtype, max_length=cfg.max_length, max_top_k=cfg.top_k, seed=cfg.seed,
+                                **(dict(full_distribution=True) if cfg.sample and self.teacher_backend == "vllm"
+                                   else {}),
                                 trust_remote_code=cfg.trust_remote_code, batch_tokens=cfg.batch_tokens,
                                 threads=threads,
                                 **({} if gpus_per_worker(cfg) == 1 else
@@ -65,7 +67,7 @@ class Job:
                                    else {}),
                                 **({} if self.server is None else
                                    dict(requests_in_flight=cfg.requests_in_flight, expect=self.server))),
-            storage=self.storage, vocab_size=self.vocab_size, generate=gen,
+            storage=self.storage, vocab_size=self.vocab_size, generate=gen, seed=cfg.seed,
             generator=None if not cfg.generator else dict(
                 backend=self.generator_backend, model_path=cfg.generator,
                 kwargs=dict(dtype=self.dtype if self.dtype != "server" else "float32", max_length=cfg.max_length,
@@ -129,6 +131,20 @@ def settle_max_length(cfg, conf):
         raise ConfigError(f"max_length: {cfg.max_length} is above the teacher's context of {ctx} tokens "
                           f"(max_position_embeddings in {cfg.teacher}/config.json); use --max-length {ctx} or less")
     return cfg
+
+
+def check_sample(cfg, backend, vocab_size):
+    """--sample needs the teacher's whole distribution at every position, and something left to draw from."""
+    if not cfg.sample:
+        return
+    if backend == "served":
+        raise ConfigError("sample: a served teacher cannot be sampled: a vLLM server returns at most its "
+                          "--max-logprobs top entries per position, not the whole distribution the draws must come "
+                          "from (drawing from a top-k would leave the tail out and bias the cache). Run the teacher "
+                          "in the job instead: --backend vllm or hf")
+    if vocab_size and cfg.top_k >= vocab_size:
+        raise ConfigError(f"top_k: {cfg.top_k} exact entries leave nothing of the teacher's {vocab_size}-token "
+                          "vocabulary to --sample from; lower --top-k, or drop --sample")
 
 
 def check_top_k(cfg, vocab_size):
@@ -237,6 +253,7 @@ def settle(cfg, t_start) -> Job:
     print(f"teacher backend: {backend} ({'auto: ' if cfg.backend == 'auto' else ''}{reason})")
     if backend == "vllm":
         require(installed_vllm(), VLLM_MIN, "backend vllm")
+    check_sample(cfg, backend, None)         # before a server is asked anything
     cfg, model_config, server = _teacher(cfg, backend)
     if cfg.worker_cpus is None:       # a served teacher's workers only wait on HTTP
         cfg = replace(cfg, worker_cpus=0.25 if server else 1.0)
@@ -258,6 +275,7 @@ def settle(cfg, t_start) -> Job:
         print(f"note: {cfg.tokenizer} has no config.json: the teacher's vocabulary size is taken from its tokenizer "
               f"({vocab_size}); copy the served model's config.json there if its embeddings are padded beyond it")
     check_top_k(cfg, vocab_size)
+    check_sample(cfg, backend, vocab_size)
     encoder.vocab_size = vocab_size          # token-id records are checked against the teacher's rows
     if server:
         from .teacher_served import check_top_k as check_server_top_k
@@ -336,6 +354,8 @@ def fingerprint_parts(cfg, tok_identity, end_of_turn, backend, dtype, server=Non
                        top_p=cfg.gen_top_p, seed=cfg.seed)
         if cfg.generator:          # recorded only when set: caches of teacher generations keep their fingerprint
             capture["generator"] = hash_tree(cfg.generator)
+    if cfg.sample:                 # the draws' seed (the storage part records --sample itself)
+        capture["seed"] = cfg.seed
     return {
         "teacher": teacher_part(cfg, server),              # weights + config, by content (or the server's word)
         "tokenizer": hash_json(tok_identity),

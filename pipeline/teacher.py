@@ -26,6 +26,12 @@ class Scored(NamedTuple):
     target_logprobs: np.ndarray   # float32 [P]: log-prob of the token that actually follows (any rank)
 
 
+class Draws(NamedTuple):
+    """--sample N: one sequence's N draws per position from the teacher's distribution outside its top-k."""
+    ids: np.ndarray               # int32 [P, N]
+    logprobs: np.ndarray          # float32 [P, N]: the teacher's log-prob of each drawn id
+
+
 class SampleFailed(KdcacheError):
     """One sequence of a score/generate call failed on its own (a server refused it, ...). A backend sets `index`,
     the sequence's place in the call; the worker names the sample (named)."""
@@ -51,8 +57,7 @@ class Teacher(Protocol):
     def __init__(self, model_path: str, *, dtype: str, max_length: int, max_top_k: int, seed: int,
                  trust_remote_code: bool, batch_tokens: int, threads: int | None): ...
 
-    def score(self, seqs: list[np.ndarray], positions: list[np.ndarray], k: int
-              ) -> list[Scored]:
+    def score(self, seqs: list[np.ndarray], positions: list[np.ndarray], k: int) -> list[Scored]:
         """The top-k of P(x[t+1] | x[:t+1]) over the full vocabulary, at every t in positions[i] of seqs[i],
         and the log-prob of x[t+1] itself.
 
@@ -65,6 +70,10 @@ class Teacher(Protocol):
         """One sampled completion per prompt (per-prompt budget and seed), stopping at an end-of-turn id.
 
         Returns, per prompt, (new token ids, ended with an end-of-turn id).
+
+    A backend that sees the whole distribution also offers score_sampled(seqs, positions, k, n, seeds) ->
+    [(Scored, Draws)]: score() plus n draws per position from outside the top-k (pipeline/draws.py), sequence i's
+    seeded with seeds[i]; --sample needs it (settle refuses the served teacher, which has none).
 
     A backend may also offer generate_scored(prompts, k=..., <generate's keywords>) -> [(new ids, ended, Scored)]:
     the completion and the top-k at each generated step from the same pass (the served teacher: one request per

@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 from kdcache.common.batching import budget_groups
 from kdcache.common.heads import check_head, decoder_of, logit_transform
 
-from .teacher import Scored
+from .draws import generator_for, top_and_draws
+from .teacher import Draws, Scored
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,9 +40,16 @@ class HFTeacher:
                   f"(logits for every token: {4 * self.model.config.get_text_config().vocab_size:,} bytes per "
                   "token of a batch in float32)", flush=True)
 
-    @torch.no_grad()
     def score(self, seqs, positions, k):
         """See pipeline.teacher.Teacher.score: one Scored per sequence."""
+        return [sc for sc, _ in self._score(seqs, positions, k, 0, None)]
+
+    def score_sampled(self, seqs, positions, k, n, seeds):
+        """See pipeline.teacher.Teacher: [(Scored, Draws)], the draws from the full distribution here."""
+        return self._score(seqs, positions, k, n, seeds)
+
+    @torch.no_grad()
+    def _score(self, seqs, positions, k, sample, seeds):
         out = [None] * len(seqs)
         for idx in budget_groups(range(len(seqs)), lambda i: len(seqs[i]), max_tokens=self.batch_tokens):
             T = max(len(seqs[i]) for i in idx)
@@ -60,7 +68,8 @@ class HFTeacher:
             for r, i in enumerate(idx):
                 pos_all = torch.as_tensor(np.array(positions[i], dtype=np.int64), device=self.device)
                 seq = torch.as_tensor(np.asarray(seqs[i], dtype=np.int64), device=self.device)
-                parts = []
+                parts, drawn = [], []
+                gen = generator_for(seeds[i], self.device) if sample else None
                 for lo in range(0, len(pos_all), self.rows):     # at most `rows` x V log-probs at a time
                     pos = pos_all[lo:lo + self.rows]
                     if self.own_forward:
@@ -70,13 +79,19 @@ class HFTeacher:
                         if self.transform is not None:
                             logits = self.transform(logits)
                     lp = torch.log_softmax(logits, dim=-1)
-                    top_lp, top_ids = lp.topk(k, dim=-1)                       # (c, k), sorted descending
-                    target_lp = lp.gather(1, seq[pos + 1][:, None])[:, 0]
-                    parts.append((top_ids.int().cpu().numpy(), top_lp.cpu().numpy().astype(np.float32),
-                                  target_lp.cpu().numpy().astype(np.float32)))
+                    target_lp = lp.gather(1, seq[pos + 1][:, None])[:, 0].cpu().numpy().astype(np.float32)
+                    if sample:
+                        top_ids, top_lp, draw_ids, draw_lp = top_and_draws(lp, k, sample, gen)
+                        drawn.append((draw_ids, draw_lp))
+                    else:
+                        top_lp, top_ids = lp.topk(k, dim=-1)                   # (c, k), sorted descending
+                        top_ids, top_lp = top_ids.int().cpu().numpy(), top_lp.cpu().numpy().astype(np.float32)
+                    parts.append((top_ids, top_lp, target_lp))
                 if not parts:
                     parts = [(np.empty((0, k), np.int32), np.empty((0, k), np.float32), np.empty(0, np.float32))]
-                out[i] = Scored(*(np.concatenate(x) for x in zip(*parts)))
+                    drawn = [(np.empty((0, sample), np.int32), np.empty((0, sample), np.float32))]
+                out[i] = (Scored(*(np.concatenate(x) for x in zip(*parts))),
+                          Draws(*(np.concatenate(x) for x in zip(*drawn))) if sample else None)
         return out
 
     @torch.no_grad()

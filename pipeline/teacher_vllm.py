@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from .teacher import Scored
+from .teacher import Draws, Scored
 
 
 class VLLMTeacher:
@@ -17,13 +17,16 @@ class VLLMTeacher:
 
     def __init__(self, model_path, *, dtype="float32", max_length=2048, max_top_k=64, seed=0,
                  trust_remote_code=False, gpu_memory_utilization=0.85, batch_tokens=8192, tensor_parallel_size=1,
-                 pipeline_parallel_size=1, enforce_eager=False, logprobs_mode="raw_logprobs", **_):
-        """logprobs_mode: vLLM's; a --generator's is processed_logprobs (the distribution it samples from)."""
+                 pipeline_parallel_size=1, enforce_eager=False, logprobs_mode="raw_logprobs", full_distribution=False,
+                 **_):
+        """logprobs_mode: vLLM's; a --generator's is processed_logprobs (the distribution it samples from).
+        full_distribution: vLLM may return every token's log-prob (max_logprobs -1), which --sample draws from."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         from vllm import LLM
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, max_model_len=max_length,
-                       max_logprobs=max_top_k + 1, seed=seed, trust_remote_code=trust_remote_code,
+                       max_logprobs=-1 if full_distribution else max_top_k + 1, seed=seed,
+                       trust_remote_code=trust_remote_code,
                        gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=False,
                        max_num_batched_tokens=max(batch_tokens, max_length), enable_prefix_caching=False,
                        # TP x PP > 1: vLLM's Ray workers, one per GPU of the placement group this actor sits in
@@ -44,6 +47,27 @@ class VLLMTeacher:
                                    f"positions, expected {len(s)}")
             rows = np.asarray(pos, dtype=np.int64) + 1          # position t predicts token t+1: entry t+1
             out.append(_topk_from_flat(o.prompt_logprobs, rows, np.asarray(s, dtype=np.int64)[rows], k))
+        return out
+
+    def score_sampled(self, seqs, positions, k, n, seeds):
+        """See pipeline.teacher.Teacher: [(Scored, Draws)]. vLLM returns every token's log-prob at every prompt
+        position (prompt_logprobs -1: V entries each, a cost that grows with the vocabulary; the engine needs
+        full_distribution), and the draws are taken from those (pipeline/draws.py)."""
+        import torch
+        from vllm import SamplingParams
+
+        from .draws import generator_for, top_and_draws
+        V = self.llm.llm_engine.model_config.get_vocab_size()
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=-1, detokenize=False, flat_logprobs=True)
+        outs = self.llm.generate(_prompts(seqs), sp, use_tqdm=False)
+        out = []
+        for o, pos, s, seed in zip(outs, positions, seqs, seeds):
+            rows = np.asarray(pos, dtype=np.int64) + 1
+            full = _topk_from_flat(o.prompt_logprobs, rows, np.asarray(s, dtype=np.int64)[rows], V)
+            lp = torch.full((len(rows), V), float("-inf"), dtype=torch.float32)
+            lp.scatter_(1, torch.from_numpy(full.ids.astype(np.int64)), torch.from_numpy(full.logprobs))
+            top_ids, top_lp, draw_ids, draw_lp = top_and_draws(lp, k, n, generator_for(seed, "cpu"))
+            out.append((Scored(top_ids, top_lp, full.target_logprobs), Draws(draw_ids, draw_lp)))
         return out
 
     def generate(self, prompts, *, max_new_tokens, temperature, top_p, seeds, turn_ends, logprobs=False,

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from kdcache.cache_format import Record, Storage, write_shard_file
+from kdcache.cache_format.compact import sampled_rows
 
 from .encode import Sample, with_completion
 from .teacher import SampleFailed, make_teacher
@@ -22,6 +23,7 @@ class WorkerSpec:
     vocab_size: int          # the teacher's: every stored id lies below it
     generate: dict | None    # generate mode: max_new_tokens, temperature, top_p, seed, turn_ends, max_length
     generator: dict | None = None   # --generator: backend, model_path, kwargs (a Teacher that only generates)
+    seed: int = 0                   # --sample: sample i's draws are seeded with seed + its id
 
 
 @dataclass
@@ -68,13 +70,10 @@ class TeacherWorker:
             if self.spec.generate and samples:
                 samples, scored, behavior = self._generate(samples, k)
             else:
-                scored = self.teacher.score([s.input_ids for s in samples], [s.positions for s in samples], k) \
-                    if samples else []
+                scored = self._score(samples, k) if samples else []
         except SampleFailed as e:          # one sequence failed on its own: name its sample
             raise e.named(samples) from None
-        records = [Record(s.sample_id, s.input_ids, s.positions, sc.ids, sc.logprobs, truncated=s.truncated,
-                          target_logprobs=sc.target_logprobs, behavior_logprobs=b)
-                   for s, sc, b in zip(samples, scored, behavior)]
+        records = [_record(s, sc, d, b) for s, (sc, d), b in zip(samples, scored, behavior)]
         teacher_s = time.perf_counter() - t0
         shard = write_shard_file(unit.directory, unit.index, records, storage=self.spec.storage,
                                  vocab_size=self.spec.vocab_size, sample_start=unit.sample_start,
@@ -82,10 +81,20 @@ class TeacherWorker:
         return {"shard": shard, "teacher_s": teacher_s, "tokens": int(sum(len(s.input_ids) for s in samples)),
                 "retried": _retried(self.teacher) - retried}
 
+    def _score(self, samples: list[Sample], k: int):
+        """(Scored, Draws or None) of each sample: with --sample, its draws too, seeded per sample (the job's
+        seed plus the sample's id), so that a shard written again draws what it drew before."""
+        seqs, positions = [s.input_ids for s in samples], [s.positions for s in samples]
+        n = self.spec.storage.sample
+        if not n:
+            return [(sc, None) for sc in self.teacher.score(seqs, positions, k)]
+        return self.teacher.score_sampled(seqs, positions, k, n, [self.spec.seed + s.sample_id for s in samples])
+
     def _generate(self, samples: list[Sample], k: int):
-        """Prompts -> (prompt + completion samples (see encode.with_completion), their Scored, each one's behaviour
-        log-probs or None). The teacher's completions: in one pass where the backend offers generate_scored, else
-        generate then score. A --generator's: it generates (ids below the teacher's vocabulary only, with the
+        """Prompts -> (prompt + completion samples (see encode.with_completion), their (Scored, Draws or None),
+        each one's behaviour log-probs or None). The teacher's completions: in one pass where the backend offers
+        generate_scored (not with --sample), else generate then score. A --generator's: it generates (ids below the
+        teacher's vocabulary only, with the
         log-prob of each sampled token), the teacher scores."""
         g = self.spec.generate
         prompts = [s.input_ids for s in samples]
@@ -95,15 +104,24 @@ class TeacherWorker:
         if self.generator is not None:
             gens = self.generator.generate(prompts, **args, logprobs=True, vocab_limit=self.spec.vocab_size)
             full = [with_completion(s, new, ended) for s, (new, ended, _) in zip(samples, gens)]
-            scored = self.teacher.score([s.input_ids for s in full], [s.positions for s in full], k)
-            return full, scored, [lps for _, _, lps in gens]
-        if hasattr(self.teacher, "generate_scored"):
+            return full, self._score(full, k), [lps for _, _, lps in gens]
+        if hasattr(self.teacher, "generate_scored") and not self.spec.storage.sample:
             out = self.teacher.generate_scored(prompts, k=k, **args)
             full = [with_completion(s, new, ended) for s, (new, ended, _) in zip(samples, out)]
-            return full, [o[2] for o in out], [None] * len(out)
+            return full, [(o[2], None) for o in out], [None] * len(out)
         gens = self.teacher.generate(prompts, **args)
         full = [with_completion(s, new, ended) for s, (new, ended) in zip(samples, gens)]
-        return full, self.teacher.score([s.input_ids for s in full], [s.positions for s in full], k), [None] * len(full)
+        return full, self._score(full, k), [None] * len(full)
+
+
+def _record(s: Sample, sc, draws, behavior) -> Record:
+    """A sample, its Scored and Draws (or None) -> the Record the shard stores (a sampled cache's rows:
+    compact.sampled_rows)."""
+    ids, lps, counts = sc.ids, sc.logprobs, None
+    if draws is not None:
+        ids, lps, counts = sampled_rows(sc.ids, sc.logprobs, draws.ids, draws.logprobs)
+    return Record(s.sample_id, s.input_ids, s.positions, ids, lps, truncated=s.truncated,
+                  target_logprobs=sc.target_logprobs, behavior_logprobs=behavior, sample_counts=counts)
 
 
 def _retried(teacher) -> int:

@@ -3,7 +3,8 @@
 The mean over the batch's trained positions of the per-position loss `kdcache train` uses (train/losses.py):
 generalized JSD (beta 0: forward KL(T || S), 1: reverse KL(S || T)) over the teacher's top-k plus a tail
 bucket (tail="tail") or renormalised over the top-k (tail="renorm"), temperature tau (loss times tau^2),
-plus sft_alpha times the cross-entropy of the cached targets.
+plus sft_alpha times the cross-entropy of the cached targets. On a sampled cache (--sample), forward KL from
+the draws (train/losses.py sampled_kl_per_position): the batch's topk_weights say so.
 """
 import torch
 
@@ -30,7 +31,7 @@ def kd_loss(logits: torch.Tensor, batch: Batch, *, beta=0.0, temperature=1.0, ta
     dev = logits.device
     loss, _ = kd_loss_from_logits(_at_positions(logits, batch), batch.topk_ids.to(dev), batch.topk_logprobs.to(dev),
                                   batch.tail_mass.to(dev), batch.targets.to(dev), cfg, _on(batch.target_logprobs, dev),
-                                  _on(batch.behavior_logprobs, dev))
+                                  _on(batch.behavior_logprobs, dev), _on(batch.topk_weights, dev))
     return _reduce(loss, batch, reduction)
 
 
@@ -52,7 +53,8 @@ def kd_loss_chunked(hidden: torch.Tensor, lm_head: torch.nn.Module, batch: Batch
                               batch.topk_logprobs.to(dev), batch.tail_mass.to(dev), batch.targets.to(dev), cfg,
                               lm_head_bias=getattr(lm_head, "bias", None), logit_transform=logit_transform,
                               target_logprobs=_on(batch.target_logprobs, dev),
-                              behavior_logprobs=_on(batch.behavior_logprobs, dev))
+                              behavior_logprobs=_on(batch.behavior_logprobs, dev),
+                              topk_weights=_on(batch.topk_weights, dev))
     return _reduce(loss, batch, reduction)
 
 

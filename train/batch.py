@@ -32,6 +32,8 @@ class Batch:
     target_logprobs: torch.Tensor | None = None    # float32 (N,) the teacher's log-prob of each target, NaN unknown
     behavior_logprobs: torch.Tensor | None = None  # float32 (N,) the log-prob each target was sampled with (generate
     #                                                mode with --generator), NaN unknown; None when no record has it
+    topk_weights: torch.Tensor | None = None       # float32 (N, k) a sampled cache's estimator weights per entry
+    #                                                (sampled_weights); None for a top-k cache
 
     @property
     def n_positions(self):
@@ -98,6 +100,17 @@ def with_target(tid, tlp, tail, targets, target_lp):
             np.clip(tail - p, 0.0, 1.0).astype(np.float32))
 
 
+def sampled_weights(tid, tlp, tail, counts):
+    """A sampled cache's teacher mass per entry for the loss's estimator (train/losses.py sampled_kl_per_position):
+    p for an exact entry (count 0), tail_mass * count / draws for a drawn id (the draws were taken from the mass
+    outside the exact entries), 0 for an unused slot. Arrays [N, k], [N, k], [N], [N, k] -> float32 [N, k]; each
+    row sums to 1 (up to rounding)."""
+    counts = counts.astype(np.float64)
+    draws = np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
+    exact = np.exp(np.where((tid >= 0) & (counts == 0), tlp.astype(np.float64), -np.inf))
+    return np.where(counts > 0, tail[:, None].astype(np.float64) * counts / draws, exact).astype(np.float32)
+
+
 def collate(records, *, pad_id, student_vocab, pack_len=0) -> Batch:
     """Batch cache records.
 
@@ -118,7 +131,13 @@ def collate(records, *, pad_id, student_vocab, pack_len=0) -> Batch:
     tail = np.concatenate([r.tail_mass for r in records]).astype(np.float32)
     targets = ids[bidx, pos + 1]
     target_lp = _per_position(records, "target_logprobs")
-    if target_lp is not None:
+    sampled = [r.sample_counts is not None for r in records]
+    if any(sampled) and not all(sampled):
+        raise TrainDataError("a batch mixes records of a sampled cache (--sample) with top-k records: their losses "
+                             "differ, so one batch cannot hold both")
+    weights = sampled_weights(tid, tlp, tail, np.concatenate([r.sample_counts for r in records])) \
+        if records and all(sampled) else None
+    if target_lp is not None and weights is None:     # a sampled row's estimator needs no target column
         tid, tlp, tail = with_target(tid, tlp, tail, targets, target_lp)
     behavior_lp = _per_position(records, "behavior_logprobs")
     # Explicit rule for padded vocabularies (e.g. 152064 teacher rows vs 151936 student rows): teacher ids
@@ -128,6 +147,8 @@ def collate(records, *, pad_id, student_vocab, pack_len=0) -> Batch:
     if n_outside:
         tail = np.clip(tail + np.where(outside, np.exp(tlp), 0.0).sum(1), 0.0, 1.0).astype(np.float32)
         tid = np.where(outside, -1, tid)
+        if weights is not None:           # a sampled row loses that mass: the student has no such id to learn
+            weights = np.where(outside, 0.0, weights).astype(np.float32)
     as_t = torch.from_numpy
     return Batch(
         input_ids=as_t(ids), attention_mask=None if pack_len else as_t(mask),
@@ -138,7 +159,8 @@ def collate(records, *, pad_id, student_vocab, pack_len=0) -> Batch:
         sample_ids=[r.sample_id for r in records], truncated=[r.truncated for r in records],
         stream_state=getattr(records[-1], "stream_state", None) if records else None,
         target_logprobs=None if target_lp is None else as_t(target_lp),
-        behavior_logprobs=None if behavior_lp is None else as_t(behavior_lp))
+        behavior_logprobs=None if behavior_lp is None else as_t(behavior_lp),
+        topk_weights=None if weights is None else as_t(weights))
 
 
 def _per_position(records, name):

@@ -209,6 +209,40 @@ def _buckets(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, ta
     return log_t, log_s, valid
 
 
+def sampled_kl_per_position(logp: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, weights: Tensor,
+                            cfg: LossConfig) -> Tensor:
+    """Forward KL(T || S) per position, [N] float32, estimated from a sampled cache (--sample: SPEC.md 4.3),
+    including the tau^2 factor.
+
+    weights [N, k]: the estimator's teacher mass per entry (train/batch.py sampled_weights): p for an exact top
+    entry, tail_mass * count / draws for a drawn id, 0 for an unused slot; they sum to 1 per position. topk_logprobs:
+    the teacher's exact log-prob of each entry. logp: the student's full-vocabulary log-softmax, [N, V].
+    tau = 1: sum_e w_e (log T(e) - log S(e)), an unbiased estimate of the full-vocabulary KL and of its gradient
+    (linear in the weights, whose expectation is T); a student equal to the teacher gives exactly 0.
+    tau != 1: the tempered teacher T^(1/tau) / Z is reached by self-normalised importance weights
+    u_e = w_e T(e)^(1/tau - 1), Z estimated by sum_e u_e: consistent (its bias shrinks as the draws grow), not
+    unbiased. The student is tempered exactly, over its full vocabulary. Reverse KL and JSD (beta > 0) need the
+    teacher's log-prob wherever the student puts mass, which a sampled cache has only at the drawn ids: refused."""
+    if cfg.beta != 0.0:
+        raise ConfigError(f"beta: {cfg.beta} needs the teacher's log-prob wherever the student puts mass (reverse KL "
+                          "and JSD); a sampled cache holds it only at its drawn ids, so no unbiased or consistent "
+                          "estimate exists. Use beta 0 (forward KL) on a sampled cache, or a top-k cache")
+    ids = topk_ids.long()
+    w = weights.float()
+    valid = (ids >= 0) & (w > 0)
+    t = torch.where(valid, topk_logprobs.float(), 0.0)       # unused slots may hold -inf: replaced before arithmetic
+    tau = cfg.temperature
+    if tau == 1.0:
+        s = logp.gather(1, ids.clamp_min(0))
+        return torch.where(valid, w * (t - s), 0.0).sum(-1)
+    log_u = torch.where(valid, torch.log(torch.where(valid, w, 1.0)) + (1.0 / tau - 1.0) * t, _NEG_INF)
+    log_z = _safe_logsumexp(log_u, 0.0)                        # [N]
+    w_tau = torch.where(valid, (log_u - log_z[:, None]).exp(), 0.0)
+    t_tau = t / tau - log_z[:, None]
+    s_tau = F.log_softmax(logp / tau, dim=-1).gather(1, ids.clamp_min(0))
+    return torch.where(valid, w_tau * (t_tau - s_tau), 0.0).sum(-1) * tau**2
+
+
 def gkd_per_position(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, tail_mass: Tensor,
                      cfg: LossConfig, logp: Tensor | None = None) -> Tensor:
     """KD loss per position, [N] float32, including the tau^2 factor (Hinton et al. 2015).
@@ -242,10 +276,12 @@ def token_rkl_per_position(logp: Tensor, targets: Tensor, target_logprobs: Tenso
 
 
 def _loss_sums(student_logits, topk_ids, topk_logprobs, tail_mass, targets, cfg, target_logprobs=None,
-               behavior_logprobs=None) -> tuple[Tensor, Tensor, Tensor]:
+               behavior_logprobs=None, topk_weights=None) -> tuple[Tensor, Tensor, Tensor]:
     """(loss sum with grad, detached KD sum, detached CE sum), each 0-dim."""
     logp = _student_logp(student_logits)
-    if cfg.objective == "token-rkl":
+    if cfg.objective == "gkd" and topk_weights is not None:
+        kd = sampled_kl_per_position(logp, topk_ids, topk_logprobs, topk_weights, cfg).sum()
+    elif cfg.objective == "token-rkl":
         if target_logprobs is None:
             raise ConfigError("objective token-rkl: the batch has no teacher target log-probs (a format-1 cache?)")
         kd = token_rkl_per_position(logp, targets, target_logprobs,
@@ -262,16 +298,18 @@ def _loss_sums(student_logits, topk_ids, topk_logprobs, tail_mass, targets, cfg,
 
 def kd_loss_from_logits(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, tail_mass: Tensor,
                         targets: Tensor, cfg: LossConfig, target_logprobs: Tensor | None = None,
-                        behavior_logprobs: Tensor | None = None) -> tuple[Tensor, dict]:
+                        behavior_logprobs: Tensor | None = None,
+                        topk_weights: Tensor | None = None) -> tuple[Tensor, dict]:
     """(sum_n kd_n + sft_alpha * ce_n, parts). Sums, not means: the trainer divides by the global position count.
 
     student_logits [N, V], topk_ids/topk_logprobs [N, k], tail_mass [N], targets [N]; target_logprobs and
-    behavior_logprobs [N] (NaN where unknown): used by the token-rkl objective only.
+    behavior_logprobs [N] (NaN where unknown): used by the token-rkl objective only. topk_weights [N, k]: a sampled
+    cache's estimator weights (sampled_kl_per_position), None for a top-k cache.
     parts: {"kd": float, "sft": float (the CE sum, logged even when sft_alpha == 0), "positions": N}.
     With N == 0 the loss is a zero that is still connected to student_logits, so backward() works.
     """
     loss, kd, ce = _loss_sums(student_logits, topk_ids, topk_logprobs, tail_mass, targets, cfg, target_logprobs,
-                              behavior_logprobs)
+                              behavior_logprobs, topk_weights)
     return loss, {"kd": float(kd), "sft": float(ce), "positions": int(student_logits.shape[0])}
 
 
@@ -285,7 +323,7 @@ class _FusedChunks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, topk_ids, topk_logprobs, tail_mass, targets, cfg, transform, grad_mode,
-                target_logprobs, behavior_logprobs):
+                target_logprobs, behavior_logprobs, topk_weights):
         # grad_mode: whether autograd records at the call (inside forward it never does); under torch.no_grad()
         # (an eval pass) no gradient is built, whatever the inputs' requires_grad.
         need = grad_mode and any(ctx.needs_input_grad[:3])
@@ -301,7 +339,8 @@ class _FusedChunks(torch.autograd.Function):
             z = F.linear(hc, w32, b32)  # [c, V] float32: lm_head's output
             args = (topk_ids[sl], topk_logprobs[sl], tail_mass[sl], targets[sl], cfg,
                     None if target_logprobs is None else target_logprobs[sl],
-                    None if behavior_logprobs is None else behavior_logprobs[sl])
+                    None if behavior_logprobs is None else behavior_logprobs[sl],
+                    None if topk_weights is None else topk_weights[sl])
             if need:
                 z.requires_grad_(True)
                 with torch.enable_grad():
@@ -326,13 +365,14 @@ class _FusedChunks(torch.autograd.Function):
         dh, dw, db = ctx.dtypes
         return ((gh * g_loss).to(dh) if gh is not None else None, (gw * g_loss).to(dw) if gw is not None else None,
                 (gb * g_loss).to(db) if gb is not None else None, None, None, None, None, None, None, None, None,
-                None)
+                None, None)
 
 
 def chunked_kd_loss(hidden: Tensor, lm_head_weight: Tensor, topk_ids: Tensor, topk_logprobs: Tensor,
                     tail_mass: Tensor, targets: Tensor, cfg: LossConfig,
                     lm_head_bias: Tensor | None = None, logit_transform=None, target_logprobs: Tensor | None = None,
-                    behavior_logprobs: Tensor | None = None) -> tuple[Tensor, dict]:
+                    behavior_logprobs: Tensor | None = None,
+                    topk_weights: Tensor | None = None) -> tuple[Tensor, dict]:
     """kd_loss_from_logits(f(hidden @ W.T + b), ...) computed cfg.chunk_size positions at a time.
 
     hidden [N, H], lm_head_weight [V, H], lm_head_bias [V] or None; the rest as in kd_loss_from_logits.
@@ -345,9 +385,9 @@ def chunked_kd_loss(hidden: Tensor, lm_head_weight: Tensor, topk_ids: Tensor, to
     if n == 0:
         z = F.linear(hidden.float(), lm_head_weight.float(), None if lm_head_bias is None else lm_head_bias.float())
         return kd_loss_from_logits(logit_transform(z) if logit_transform else z, topk_ids, topk_logprobs,
-                                   tail_mass, targets, cfg, target_logprobs, behavior_logprobs)
+                                   tail_mass, targets, cfg, target_logprobs, behavior_logprobs, topk_weights)
     loss, kd, ce = _FusedChunks.apply(hidden, lm_head_weight, lm_head_bias, topk_ids, topk_logprobs, tail_mass,
                                       targets, cfg, logit_transform, torch.is_grad_enabled(), target_logprobs,
-                                      behavior_logprobs)
+                                      behavior_logprobs, topk_weights)
     return loss, {"kd": float(kd), "sft": float(ce), "positions": int(n)}
 

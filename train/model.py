@@ -83,7 +83,8 @@ class DistillModule(nn.Module):
             out = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
                              use_cache=False).logits                                           # (R, T, V)
             return kd_loss_from_logits(out[b.batch_index, b.positions], b.topk_ids, b.topk_logprobs, b.tail_mass,
-                                       b.targets, self.loss_cfg, b.target_logprobs, b.behavior_logprobs)
+                                       b.targets, self.loss_cfg, b.target_logprobs, b.behavior_logprobs,
+                                       b.topk_weights)
         hidden = decoder_of(self.model)(input_ids=b.input_ids, attention_mask=b.attention_mask,
                                         position_ids=b.position_ids, use_cache=False).last_hidden_state  # (R, T, H)
         h = hidden[b.batch_index, b.positions]                                                 # (N, H)
@@ -91,7 +92,8 @@ class DistillModule(nn.Module):
         if self.chunked:
             return chunked_kd_loss(h, head.weight, b.topk_ids, b.topk_logprobs, b.tail_mass, b.targets,
                                    self.loss_cfg, lm_head_bias=head.bias, logit_transform=self.transform,
-                                   target_logprobs=b.target_logprobs, behavior_logprobs=b.behavior_logprobs)
+                                   target_logprobs=b.target_logprobs, behavior_logprobs=b.behavior_logprobs,
+                                   topk_weights=b.topk_weights)
         logits = head(h) if self.transform is None else self.transform(head(h))
         return kd_loss_from_logits(logits, b.topk_ids, b.topk_logprobs, b.tail_mass, b.targets, self.loss_cfg,
-                                   b.target_logprobs, b.behavior_logprobs)
+                                   b.target_logprobs, b.behavior_logprobs, b.topk_weights)

@@ -98,9 +98,29 @@ def check_inputs(cfg):
                           "fresh student)")
     tok = load_tokenizer(cfg)
     check_tokenizer(tok, manifest, cfg.cache)                       # rule 2: token-exact or refused
-    if cfg.mix_cache:
-        check_tokenizer(tok, load_manifest(cfg.mix_cache), cfg.mix_cache)
+    mix = load_manifest(cfg.mix_cache) if cfg.mix_cache else None
+    if mix is not None:
+        check_tokenizer(tok, mix, cfg.mix_cache)
+    check_sampled(cfg, manifest, mix)
     return tok
+
+
+def check_sampled(cfg, manifest, mix=None):
+    """Settings a sampled cache (--sample, SPEC.md 4.3) cannot honour, refused by name before any start-up."""
+    if mix is not None and bool(manifest.sample) != bool(mix.sample):
+        raise ConfigError(f"mix_cache: {cfg.mix_cache} is {'' if mix.sample else 'not '}a sampled cache and "
+                          f"{cfg.cache} is {'' if manifest.sample else 'not '}one; their losses differ, so they "
+                          "cannot be mixed in one batch")
+    if not manifest.sample or cfg.objective != "gkd":
+        return
+    if cfg.beta != 0:
+        raise ConfigError(f"beta: {cfg.beta} on the sampled cache {cfg.cache}: reverse KL and JSD need the teacher's "
+                          "log-prob wherever the student puts mass, and a sampled cache holds it only at its drawn "
+                          "ids (no unbiased or consistent estimate exists). Use --beta 0 (forward KL), or a top-k "
+                          "cache")
+    if cfg.tail != "tail":
+        raise ConfigError(f"tail: {cfg.tail!r} on the sampled cache {cfg.cache}: its draws already stand for the "
+                          "whole distribution (no tail bucket to renormalise away); leave --tail at its default")
 
 
 OUT_LOCK = ".train.lock"
@@ -132,7 +152,7 @@ def setup(cfg):
     student_vocab = model.get_input_embeddings().weight.shape[0]      # before ZeRO-3 partitions it
     ds_cfg = deepspeed_config(cfg)
     stage = ds_cfg.get("zero_optimization", {}).get("stage", 0)
-    module = DistillModule(model, cfg.loss_config(student_vocab, importance=sampled(stream.cache.manifest)),
+    module = DistillModule(model, cfg.loss_config(student_vocab, importance=sampled_completions(stream.cache.manifest)),
                            zero3=stage == 3)
     # One step count for every rank: rank shares differ by a sample, and a rank with an extra step would run a
     # schedule of its own and call collectives the others never join. Counted from the micro-batches the
@@ -364,7 +384,7 @@ def check_target_logprobs(records, cache_dir):
                                  "needs them all. Use --objective gkd, or a cache written by kdcache precompute.")
 
 
-def sampled(manifest):
+def sampled_completions(manifest):
     """Whether the cache's completions were sampled (generate mode at a temperature > 0), so that its behaviour
     log-probs are a distribution's and importance weights mean something."""
     capture = manifest.get("fingerprint_parts", {}).get("capture", {})

@@ -101,9 +101,9 @@ def test_sqrt8_orders_ids_and_a_dense_cache_reads_by_reshape():
     ids = np.array([[5, 2, 9, 1], [7, 3, -1, -1]], dtype=np.int32)
     lps = np.log(np.array([[0.5, 0.3, 0.1, 0.05], [0.9, 0.05, 0, 0]]))
     counts = np.array([4, 2])
-    steps, levels = compact.pack_entries(ids, lps, counts, "sqrt8", np.uint16)
+    steps, levels, _ = compact.pack_entries(ids, lps, counts, "sqrt8", np.uint16)
     assert steps.tolist() == [1, 1, 3, 4, 3, 4] and steps.dtype == np.uint16    # ids ascending, stored as steps
-    back_ids, back_lp = compact.unpack_entries(counts, steps, levels, "sqrt8", 4)
+    back_ids, back_lp, _ = compact.unpack_entries(counts, steps, levels, "sqrt8", 4)
     assert back_ids.tolist() == [[1, 2, 5, 9], [3, 7, -1, -1]] and np.isneginf(back_lp[1, 2:]).all()
     np.testing.assert_allclose(np.exp(back_lp[0] / 2), np.sqrt([0.05, 0.3, 0.5, 0.1]), atol=1 / 510)
 

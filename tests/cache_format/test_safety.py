@@ -134,7 +134,7 @@ def test_unknown_format_version_refused(tmp_path):
     m = json.loads((tmp_path / "manifest.json").read_text())
     m["format_version"] = 99
     (tmp_path / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(ManifestError, match=r"format_version 99 is not supported.*versions 1/2"):
+    with pytest.raises(ManifestError, match=r"format_version 99 is not supported.*versions 1/2/3"):
         open_cache(tmp_path)
 
 
@@ -247,15 +247,15 @@ def test_writer_sweeps_temp_files_of_killed_writers(tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_shard_of_another_format_version_is_refused_by_name(tmp_path, backend, monkeypatch):
-    """The manifest says version 2, but one shard was written by a version-3 writer: readers refuse it."""
+    """The manifest says version 2, but one shard was written by a version-4 writer: readers refuse it."""
     from kdcache.cache_format.storage import get_format
     write_cache(tmp_path / "new", make_records(20), shard_size=10, **writer_kwargs(backend))
     with monkeypatch.context() as m:
-        m.setattr(get_format(backend), "FORMAT_VERSION", 3)
+        m.setattr(get_format(backend), "FORMAT_VERSION", 4)
         write_cache(tmp_path / "v2", make_records(20), shard_size=10, **writer_kwargs(backend))
     assert open_cache(tmp_path / "new")[15].sample_id == 15              # the same data at version 2 reads
     name = _shard_rel(tmp_path / "v2", 0)
-    with pytest.raises(ShardError, match=rf"{name}: shard format version '?3'?, this reader reads 1/2"):
+    with pytest.raises(ShardError, match=rf"{name}: shard format version '?4'?, this reader reads 1/2/3"):
         open_cache(tmp_path / "v2")[0]
     rep = verify_cache(tmp_path / "v2")
     assert [w for w, _ in rep.problems] == [name, _shard_rel(tmp_path / "v2", 1)]
@@ -268,11 +268,11 @@ def test_a_zarr_shard_of_a_later_version_with_other_arrays_is_refused_by_version
 
     from kdcache.cache_format import zarr_format
     with monkeypatch.context() as m:
-        m.setattr(zarr_format, "FORMAT_VERSION", 3)
+        m.setattr(zarr_format, "FORMAT_VERSION", 4)
         write_cache(tmp_path, make_records(10), shard_size=10, **writer_kwargs("zarr"))
     name = _shard_rel(tmp_path, 0)
     shutil.rmtree(tmp_path / name / "topk_values")
-    with pytest.raises(ShardError, match=rf"{name}: shard format version 3, this reader reads 1/2"):
+    with pytest.raises(ShardError, match=rf"{name}: shard format version 4, this reader reads 1/2/3"):
         open_cache(tmp_path)[0]
 
 

@@ -101,7 +101,7 @@ def test_settings_that_mean_nothing_for_token_rkl_are_refused(kw, key):
 
 def test_importance_weights_only_for_sampled_completions():
     """Greedy completions' behaviour policy is a point mass (stored log-prob 0): no importance weights there."""
-    from kdcache.train.trainer import sampled
+    from kdcache.train.trainer import sampled_completions as sampled
     gen = {"fingerprint_parts": {"capture": {"temperature": 0.8}}}
     assert sampled(gen)
     assert not sampled({"fingerprint_parts": {"capture": {"temperature": 0.0}}})
