@@ -30,7 +30,9 @@ def card_text(m, where):
         ("end-of-turn ids", m.eos_token_ids),
         ("storage", f"{m.backend} shards, codec {codec}"),
         ("log-probs", BOUNDS.get(m.logprob_dtype, m.logprob_dtype) + "; tail mass float32"),
-        ("entries per position", f"top-p {m.top_p}, at most {m.top_k}" if m.top_p else m.top_k),
+        ("entries per position", f"top-p {m.top_p}, at most {m.top_k}" if m.top_p else
+         f"the top {m.top_k} exactly, plus {m.sample} draws from the rest (distinct ids with their counts)"
+         if m.sample else m.top_k),
         ("stored fidelity", fidelity_text(m)),
         ("teacher on the data", teacher_ce_text(m)),
         ("samples", f"{c['samples']:,}"),
@@ -43,13 +45,22 @@ def card_text(m, where):
     front = "\n".join(["---", "tags:", "- knowledge-distillation", "- logit-cache", "- kdcache"]
                       + (["configs:", "- config_name: default", "  data_files:"] + [f"  - {p}" for p in shards]
                          if m.backend == "arrow" else []) + ["---"])
+    top = f"top-{m.top_k}" if m.top_k else ""
+    kind = f"{top + ' + ' if top else ''}{m.sample}-draw sampled" if m.sample else top
+    if m.sample:
+        exact = f"the teacher's {top} next-token ids with their log-probabilities, and " if top else ""
+        rest = "the rest of its" if top else "its"
+        what = (f"{exact}{m.sample} draws from {rest} next-token distribution over the full vocabulary (each "
+                "drawn id once, with its count and log-probability): an unbiased sample of the whole distribution")
+    else:
+        what = (f"the teacher's {top} next-token ids and log-probabilities over its full vocabulary, plus the "
+                "probability mass outside them")
     return f"""{front}
 
-# Teacher top-{m.top_k} logit cache (kdcache)
+# Teacher {kind} logit cache (kdcache)
 
 For every sample: the exact token ids the teacher scored (chat template included) and, at every trained
-position (each assistant token through its end-of-turn token), the teacher's top-{m.top_k} next-token ids
-and log-probabilities over its full vocabulary, plus the probability mass outside them. Distil a student
+position (each assistant token through its end-of-turn token), {what}. Distil a student
 from it without running the teacher: `kdcache train --cache {where} --student STUDENT --out OUT`. The
 byte layout is kdcache's cache format, version {m.format_version} (`cache_format/SPEC.md`).
 

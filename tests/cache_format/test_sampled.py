@@ -158,3 +158,16 @@ def test_collate_and_kd_loss_train_on_a_sampled_cache(tmp_path):
     assert torch.allclose(kdcache.kd_loss(other, batch), by_hand, atol=1e-5)
     with pytest.raises(Exception, match="beta"):
         kdcache.kd_loss(other, batch, beta=0.5)
+
+
+def test_inspect_and_the_dataset_card_say_what_a_sampled_cache_holds(tmp_path, capsys):
+    from kdcache.cache_format.card import write_card
+    from kdcache.cache_format.cli import inspect_main
+    recs, _ = sampled_records(3, 2, 6)
+    write_cache(tmp_path, recs, shard_size=3, storage=Storage("arrow", 2, "sqrt8", sample=6), vocab_size=V,
+                eos_token_ids=[EOS], fingerprint_parts={"t": 1})
+    assert inspect_main([str(tmp_path)]) in (0, None)
+    out = capsys.readouterr().out
+    assert "format 3" in out and "6 draws per position" in out and "sample_counts" in out
+    card = open(write_card(str(tmp_path))).read()
+    assert "top-2 + 6-draw sampled" in card and "6 draws from the rest of its next-token distribution" in card
