@@ -18,6 +18,7 @@ from .errors import CacheError
 from .manifest import FORMAT_VERSION, MAX_SAMPLE, SAMPLED_VERSION
 
 FORMATS = {"arrow": arrow_format, "zarr": zarr_format}
+MAX_ENTRIES = 65535      # entries a position may hold: topk_counts is uint16 (SPEC.md 1)
 
 
 def get_format(name):
@@ -59,6 +60,9 @@ class Storage:
         object.__setattr__(self, "sample", int(self.sample))
         if not 0 <= self.sample <= MAX_SAMPLE:
             raise CacheError(f"sample must be in [0, {MAX_SAMPLE}] draws per position, got {self.sample}")
+        if self.width > MAX_ENTRIES:
+            raise CacheError(f"top_k {self.top_k} plus sample {self.sample} is more than the {MAX_ENTRIES} entries a "
+                             "position can hold (topk_counts is 16 bits)")
         if self.sample and self.top_p is not None:
             raise CacheError("sample and top_p do not combine: a sampled cache keeps an exact top-k plus draws "
                              "from the rest, not a top-p prefix")

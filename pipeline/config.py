@@ -3,6 +3,7 @@ from dataclasses import dataclass
 
 from kdcache.cache_format.compact import LOGPROB_DTYPES
 from kdcache.cache_format.manifest import MAX_SAMPLE
+from kdcache.cache_format.storage import MAX_ENTRIES
 from kdcache.cache_format.storage import FORMATS, Storage
 from kdcache.common.config import field, validate
 
@@ -98,7 +99,9 @@ class PrecomputeConfig:
         if self.top_k is None:
             self.top_k = 0 if self.sample else DEFAULT_TOP_K
         validate(self, required=("teacher", "data", "out"), checks=[
-            ("top_k", 0 <= self.top_k <= 4096, "must be in [0, 4096] (0: no top-k, only the target log-probs)"),
+            ("top_k", 0 <= self.top_k <= MAX_ENTRIES - self.sample,
+             f"must be in [0, {MAX_ENTRIES - self.sample}] (0: no top-k, only the target log-probs; a position's "
+             f"entry count, top-k plus --sample, is stored in 16 bits)"),
             ("sample", 0 <= self.sample <= MAX_SAMPLE, f"must be in [0, {MAX_SAMPLE}] draws per position"),
             ("top_p", not (self.sample and self.top_p is not None), "does not combine with --sample (a sampled cache "
                                                                     "keeps an exact top-k plus draws from the rest)"),
