@@ -3,8 +3,7 @@ from dataclasses import dataclass
 
 from kdcache.cache_format.compact import LOGPROB_DTYPES
 from kdcache.cache_format.manifest import MAX_SAMPLE
-from kdcache.cache_format.storage import MAX_ENTRIES
-from kdcache.cache_format.storage import FORMATS, Storage
+from kdcache.cache_format.storage import FORMATS, MAX_ENTRIES, Storage
 from kdcache.common.config import field, validate
 
 from .encode import MAX_MESSAGES
