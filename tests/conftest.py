@@ -25,15 +25,15 @@ class _NoBareNames:
 
 sys.meta_path.insert(0, _NoBareNames)
 
-# `make test` runs files on two workers (xdist --dist loadfile), handed out in collection order: the longest start
-# first, so that short files fill the end and both workers finish together (a long file handed out last ran alone
-# for minutes). Sums of their tests' durations on 2 cores, longest first (2026-12-01: 50-350 s each).
+# `make test` runs files on two workers (xdist --dist loadfile --no-loadscope-reorder), handed out in collection
+# order: the longest start first, so that short files fill the end and both workers finish together (a long file
+# handed out last ran alone for minutes). Sums of their tests' durations on 2 cores, longest first (2026-12-01/02:
+# 50-350 s each).
 LONGEST_FILES = ("pipeline/test_precompute.py", "train/test_trainer.py", "train/test_trainer_resume.py",
-                 "pipeline/test_served.py", "kdcache/test_onpolicy.py", "pipeline/test_sampled.py",
-                 "kdcache/test_demo.py",
-                 "pipeline/test_generator.py", "pipeline/test_vllm_families.py", "bench/test_chaos.py",
-                 "pipeline/test_remote_store.py", "pipeline/test_large_vocab.py", "pipeline/test_ids_records.py",
-                 "examples/test_recipes.py", "pipeline/test_startup.py")
+                 "pipeline/test_sampled.py", "pipeline/test_served.py", "kdcache/test_onpolicy.py",
+                 "kdcache/test_demo.py", "pipeline/test_generator.py", "pipeline/test_vllm_families.py",
+                 "bench/test_chaos.py", "pipeline/test_remote_store.py", "pipeline/test_large_vocab.py",
+                 "pipeline/test_ids_records.py", "examples/test_recipes.py", "pipeline/test_startup.py")
 
 
 def pytest_collection_modifyitems(config, items):
