@@ -150,3 +150,22 @@ def test_vllm_draws_what_transformers_draws(sharp, tmp_path):
     # one seeded generator on the same distribution (to 5e-5): a draw differs only where a uniform falls within
     # that of a boundary of the cumulative distribution
     assert same >= 0.97 * total, (same, total)
+
+
+def test_generate_mode_draws_at_the_generated_steps_and_a_sampled_cache_is_data_for_another(sharp, tmp_path):
+    gen = precompute(*with_flag(sharp["args"], "--data", sharp["data"]), "--mode", "generate",
+                     "--gen-max-new-tokens", 6, "--out", tmp_path / "gen", shared_ray=True)
+    again = precompute("--teacher", sharp["teacher"], "--data", sharp["cache"], "--top-k", 8, "--backend", "hf",
+                       "--out", tmp_path / "rescored", shared_ray=True)
+    assert gen.returncode == again.returncode == 0, (gen.stderr[-2000:], again.stderr[-2000:])
+    assert verify_cache(tmp_path / "gen").ok
+    g = open_cache(tmp_path / "gen")
+    assert g.sample == N and len(g) == 8
+    for rec in g:                         # every generated step (the end-of-turn one where it ended) has its draws
+        exact = ((rec.sample_counts == 0) & (rec.topk_ids >= 0)).sum(1)
+        assert (rec.sample_counts.sum(1) == N).all() and (exact == M).all()
+    src, out = list(open_cache(sharp["cache"])), list(open_cache(tmp_path / "rescored"))
+    assert [r.sample_id for r in out] == [r.sample_id for r in src]           # the sampled cache's ids, as they were
+    assert all(np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.positions, b.positions)
+               for a, b in zip(src, out))
+    assert open_cache(tmp_path / "rescored").sample == 0
