@@ -9,11 +9,12 @@ def top_and_draws(lp: torch.Tensor, k: int, n: int, gen: torch.Generator):
     """lp: float32 [c, V] log-softmax rows at temperature 1. Returns numpy (top_ids int32 [c, k], top_lp float32
     [c, k] descending, draw_ids int32 [c, n], draw_lp float32 [c, n]: each draw's teacher log-prob).
 
-    A row whose rest has no mass left in float64 draws uniformly from the rest's ids: the draws then carry
-    weight tail_mass = 0 and change no loss."""
+    Probabilities in float32 (what the row holds; ids below 1e-38 are never drawn, a mass nothing can see). A
+    row whose rest has no mass left draws uniformly from the rest's ids: the draws then carry weight
+    tail_mass = 0 and change no loss."""
     c, V = lp.shape
     top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp.new_zeros((c, 0)), lp.new_zeros((c, 0), dtype=torch.long))
-    p = lp.double().exp()
+    p = lp.float().exp()
     p.scatter_(1, top_ids, 0.0)
     rest = p.sum(-1, keepdim=True)
     if bool((rest <= 0).any()):
