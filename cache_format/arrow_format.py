@@ -108,7 +108,8 @@ class Shard:
         if got_k != top_k:
             raise ShardError(f"{path}: top_k is {got_k} in the shard but {top_k} in the manifest")
         self.logprob_dtype = _logprob_dtype(self._file.schema, meta, self.version)
-        self.sample = int(meta.get(b"kdcache.sample", b"0")) if self.version >= SAMPLED_VERSION else 0
+        sample = meta.get(b"kdcache.sample", b"0").decode() if self.version >= SAMPLED_VERSION else "0"
+        self.sample = int(sample) if sample.isdigit() else -1
         if self.version >= SAMPLED_VERSION and not (self.sample >= 1 and "sample_counts" in self._file.schema.names):
             raise ShardError(f"{path}: a format {self.version} shard without its draws per position or their counts")
         # Every batch but the last holds exactly rows_per_batch rows (SPEC.md).
