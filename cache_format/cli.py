@@ -59,7 +59,7 @@ def inspect_main(argv=None):
         ("tokens", f"{c['tokens']:,} (scored positions {c['positions']:,})"),
         ("top_k", m.top_k),
         *([("sample", f"{m.sample} draws per position from the rest of the distribution (stored once per distinct "
-                      f"id, with its count; SPEC.md 4.3)")] if m.sample else []),
+                      f"id, with its count; SPEC.md 4.4)")] if m.sample else []),
         ("vocab_size", m.vocab_size),
         ("eos_token_ids", m.eos_token_ids),
         ("size", f"{c['bytes'] / 1e6:.2f} MB, " + (f"{derived['bytes_per_position']:.1f} B/position"

@@ -152,7 +152,7 @@ def to_store(rec, *, top_p, logprob_dtype, vocab_size):
 
 
 def sampled_rows(top_ids, top_logprobs, draw_ids, draw_logprobs):
-    """A sampled cache's dense rows (--sample N, SPEC.md 4.3): the exact top-M entries, then each distinct drawn
+    """A sampled cache's dense rows (--sample N, SPEC.md 4.4): the exact top-M entries, then each distinct drawn
     id once with how many of the N draws gave it.
 
     top_ids/top_logprobs [P, M] (M may be 0); draw_ids/draw_logprobs [P, N]: the draws, each with the teacher's

@@ -15,7 +15,7 @@ from .location import as_location
 
 FORMAT_NAME = "kdcache-logits"
 FORMAT_VERSION = 2                 # what this writer writes, but for sampled caches
-SAMPLED_VERSION = 3                # what it writes for a sampled cache (--sample N: SPEC.md 4.3)
+SAMPLED_VERSION = 3                # what it writes for a sampled cache (--sample N: SPEC.md 4.4)
 READS_VERSIONS = (1, 2, 3)         # what its readers read (SPEC.md section 8)
 MAX_SAMPLE = 255                   # draws per position: a draw count fits a byte
 MANIFEST_NAME = "manifest.json"

@@ -44,7 +44,7 @@ class Cache:
             self.manifest = self._load(retry=track_use)
             self.shards = self.manifest.shards
             self.top_k = self.manifest.top_k
-            self.sample = self.manifest.sample or 0     # a sampled cache's draws per position (SPEC.md 4.3)
+            self.sample = self.manifest.sample or 0     # a sampled cache's draws per position (SPEC.md 4.4)
             self._reader_cls = get_format(self.manifest.backend).Shard
             self._starts = [0]
             for s in self.shards:

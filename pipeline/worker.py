@@ -94,8 +94,7 @@ class TeacherWorker:
         """Prompts -> (prompt + completion samples (see encode.with_completion), their (Scored, Draws or None),
         each one's behaviour log-probs or None). The teacher's completions: in one pass where the backend offers
         generate_scored (not with --sample), else generate then score. A --generator's: it generates (ids below the
-        teacher's vocabulary only, with the
-        log-prob of each sampled token), the teacher scores."""
+        teacher's vocabulary only, with the log-prob of each sampled token), the teacher scores."""
         g = self.spec.generate
         prompts = [s.input_ids for s in samples]
         args = dict(max_new_tokens=[min(g["max_new_tokens"], g["max_length"] - len(p)) for p in prompts],

@@ -211,7 +211,7 @@ def _buckets(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, ta
 
 def sampled_kl_per_position(logp: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, weights: Tensor,
                             cfg: LossConfig) -> Tensor:
-    """Forward KL(T || S) per position, [N] float32, estimated from a sampled cache (--sample: SPEC.md 4.3),
+    """Forward KL(T || S) per position, [N] float32, estimated from a sampled cache (--sample: SPEC.md 4.4),
     including the tau^2 factor.
 
     weights [N, k]: the estimator's teacher mass per entry (train/batch.py sampled_weights): p for an exact top
@@ -227,6 +227,9 @@ def sampled_kl_per_position(logp: Tensor, topk_ids: Tensor, topk_logprobs: Tenso
         raise ConfigError(f"beta: {cfg.beta} needs the teacher's log-prob wherever the student puts mass (reverse KL "
                           "and JSD); a sampled cache holds it only at its drawn ids, so no unbiased or consistent "
                           "estimate exists. Use beta 0 (forward KL) on a sampled cache, or a top-k cache")
+    if cfg.tail != "tail":
+        raise ConfigError(f"tail: {cfg.tail!r} has no meaning on a sampled cache: its draws already stand for the "
+                          "whole distribution (no tail bucket to renormalise away); use tail 'tail'")
     ids = topk_ids.long()
     w = weights.float()
     valid = (ids >= 0) & (w > 0)

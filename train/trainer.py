@@ -106,7 +106,7 @@ def check_inputs(cfg):
 
 
 def check_sampled(cfg, manifest, mix=None):
-    """Settings a sampled cache (--sample, SPEC.md 4.3) cannot honour, refused by name before any start-up."""
+    """Settings a sampled cache (--sample, SPEC.md 4.4) cannot honour, refused by name before any start-up."""
     if mix is not None and bool(manifest.sample) != bool(mix.sample):
         raise ConfigError(f"mix_cache: {cfg.mix_cache} is {'' if mix.sample else 'not '}a sampled cache and "
                           f"{cfg.cache} is {'' if manifest.sample else 'not '}one; their losses differ, so they "

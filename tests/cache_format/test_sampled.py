@@ -1,4 +1,4 @@
-"""Sampled caches (format 3, SPEC.md 4.3): written and read back by both storage formats with every log-prob
+"""Sampled caches (format 3, SPEC.md 4.4): written and read back by both storage formats with every log-prob
 coding, checked by verify, refused where damaged, and readable by kdcache.collate / kdcache.kd_loss."""
 import json
 

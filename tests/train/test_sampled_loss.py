@@ -1,4 +1,4 @@
-"""The loss on sampled caches (--sample N, SPEC.md 4.3): unbiased for forward KL and its gradient, zero for a
+"""The loss on sampled caches (--sample N, SPEC.md 4.4): unbiased for forward KL and its gradient, zero for a
 student equal to the teacher, consistent when tempered, the same chunked and plain, refused where no estimate
 exists.
 
@@ -177,3 +177,10 @@ def test_weights_sum_to_one_and_an_exact_entry_carries_its_own_probability():
     # a drawn id's weight is the rest's mass times its share of the draws
     rest = 1 - float(lp[top].exp().sum())
     assert set(np.round(w[:, 5:][ids[:, 5:] >= 0].numpy() / rest * 16, 4)) <= {float(c) for c in range(1, 17)}
+
+
+def test_tail_renorm_is_refused_on_a_sampled_cache():
+    ids, lps, w = draw_sets(teacher(), 0, 8, 2)
+    with pytest.raises(ConfigError, match="tail.*sampled cache"):
+        kd_loss_from_logits(torch.zeros(2, V), ids, lps, torch.zeros(2), torch.zeros(2, dtype=torch.long),
+                            LossConfig(tail="renorm"), topk_weights=w)
