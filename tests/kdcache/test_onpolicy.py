@@ -119,6 +119,12 @@ def _wait(predicate, proc, what, timeout=300):
         time.sleep(0.05)
 
 
+def _pending(pid):
+    """The signals sent to process pid and not yet delivered (it is stopped): /proc's ShdPnd mask."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1], 16) for line in f if line.startswith("ShdPnd:"))
+
+
 def _committed(path_file):
     try:
         with open(path_file) as f:
@@ -145,12 +151,22 @@ def test_a_loop_killed_in_round_two_and_rerun_equals_one_that_ran_through(straig
     proc.wait()
     assert _committed(os.path.join(round2, "cache.txt")) == 1               # the fault landed mid-rollout
     assert [e["stage"] for e in _summary(out)["rounds"]] == ["trained", "new"]
-    # 2. rerun; a hang-up once round 2 has trained its first step
+    # 2. rerun as from a terminal (hang-ups not ignored, even when the suite runs under nohup); a hang-up once
+    # round 2 has trained its first step
     proc = subprocess.Popen(cmd, cwd=user_project(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     _wait(lambda: os.path.isfile(os.path.join(out, "metrics.jsonl"))
           and any(r["step"] > STEPS for r in _metrics(out)), proc, "round 2's first step")
-    proc.send_signal(signal.SIGHUP)
+    # The training stage is frozen while the hang-up reaches the loop and the loop forwards it, so that it lands
+    # mid-training however fast the remaining steps are (unfrozen, they once all ran before the loop's forward).
+    stage = psutil.Process(proc.pid).children()[0]
+    os.killpg(stage.pid, signal.SIGSTOP)
+    try:
+        assert max(r["step"] for r in _metrics(out)) < 2 * STEPS, "round 2 trained to its end before the fault"
+        proc.send_signal(signal.SIGHUP)
+        _wait(lambda: _pending(stage.pid) & (1 << (signal.SIGHUP - 1)), proc, "the loop to forward the hang-up")
+    finally:
+        os.killpg(stage.pid, signal.SIGCONT)
     text, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, text[-3000:]
     assert "stopped by SIGHUP in round 2 (training)" in text, text[-3000:]
