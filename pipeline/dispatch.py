@@ -39,6 +39,7 @@ class RunStats:
     stopped: bool = False    # a signal stopped the run early
     startup: dict = field(default_factory=dict)   # seconds from the job's start: see Dispatcher
     ray: dict = field(default_factory=dict)       # the cluster the job ran on: its GCS address, whether the job's own
+    engine: dict = field(default_factory=dict)    # the teacher engine's settings, as a worker reported them (vLLM)
 
 
 class _NotMainThread(logging.Filter):
@@ -356,6 +357,7 @@ class Dispatcher:
         st.tokens += res["tokens"]
         st.teacher_s += res["teacher_s"]
         st.retried += res.get("retried", 0)
+        st.engine = st.engine or dict(res.get("engine") or {})
         if self.bar is not None:
             self.bar.update(res["shard"].entry.num_samples)
             self.bar.set_postfix(tok_s=f"{st.tokens / (time.perf_counter() - self._t0):,.0f}",

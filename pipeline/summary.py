@@ -49,6 +49,8 @@ def summary(cfg, writer, skipped, t_start, stats, shards_at_start):
         # read, the first shard committed (pipeline.dispatch.Dispatcher)
         "startup": dict(stats.startup),
         "ray": dict(stats.ray),                 # where the teacher ran: {gcs_address, own (started by the job)}
+        # vLLM: {max_num_batched_tokens (tokens per engine step), chunked_prefill, max_num_seqs}; {} for others
+        "teacher_engine": dict(stats.engine),
         "fidelity": fidelity_text(m), "teacher_on_data": teacher_ce_text(m),
     }
     Location(cfg.out).write_bytes(f"{REPORT_DIR}/summary.json", json.dumps(s, indent=1).encode())
@@ -92,6 +94,10 @@ def _print(s, skipped):
             ("wall time", f"{s['wall_s']} s" + _startup_text(s["startup"])),
             ("throughput", f"{s['loop_tok_s']:,} tokens/s after startup, {s['throughput_tok_s']:,} over the wall time"
              if s["tokens_this_run"] else "no teacher work")]
+    eng = s.get("teacher_engine") or {}
+    if eng:
+        chunked = "on" if eng["chunked_prefill"] else "off (this model: whole samples per step)"
+        rows.append(("vLLM engine", f"{eng['max_num_batched_tokens']:,} tokens per step, chunked prefill {chunked}"))
     if s["teacher_retries"]:
         rows.append(("teacher retries", f"{s['teacher_retries']:,} request(s) answered after a retry (the teacher "
                                         "server was unreachable or failed for a while; nothing was lost)"))

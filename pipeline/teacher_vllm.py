@@ -24,16 +24,34 @@ class VLLMTeacher:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         from vllm import LLM
-        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, max_model_len=max_length,
-                       max_logprobs=-1 if full_distribution else max_top_k + 1, seed=seed,
-                       trust_remote_code=trust_remote_code,
-                       gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=False,
-                       max_num_batched_tokens=max(batch_tokens, max_length), enable_prefix_caching=False,
-                       # TP x PP > 1: vLLM's Ray workers, one per GPU of the placement group this actor sits in
-                       tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                       enforce_eager=enforce_eager, logprobs_mode=logprobs_mode,
-                       **({"distributed_executor_backend": "ray"}
-                          if tensor_parallel_size * pipeline_parallel_size > 1 else {}))
+        args = dict(model=model_path, tokenizer=model_path, dtype=dtype, max_model_len=max_length,
+                    max_logprobs=-1 if full_distribution else max_top_k + 1, seed=seed,
+                    trust_remote_code=trust_remote_code,
+                    gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=False,
+                    enable_prefix_caching=False,
+                    # TP x PP > 1: vLLM's Ray workers, one per GPU of the placement group this actor sits in
+                    tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                    enforce_eager=enforce_eager, logprobs_mode=logprobs_mode,
+                    **({"distributed_executor_backend": "ray"}
+                       if tensor_parallel_size * pipeline_parallel_size > 1 else {}))
+        # prompt_logprobs builds [tokens, V] log-probs for every prompt token of an engine step: at most
+        # batch_tokens of them per step, a longer sample split over steps (vLLM's chunked prefill, on by default
+        # where the model supports it). Where it does not, vLLM refuses a step smaller than max_model_len: then
+        # whole samples, said once.
+        try:
+            self.llm = LLM(**args, max_num_batched_tokens=batch_tokens)
+        except ValueError as e:
+            if batch_tokens >= max_length or "max_num_batched_tokens" not in str(e):
+                raise
+            print(f"vLLM cannot split a sample over engine steps for this model ({e}); each step takes up to "
+                  f"max_length = {max_length} tokens, and its log-probs need that many x V x 4 bytes", flush=True)
+            self.llm = LLM(**args, max_num_batched_tokens=max_length)
+
+    def engine_info(self) -> dict:
+        """What the engine settled on (summary.json's teacher_engine): tokens per step, chunked prefill."""
+        sc = self.llm.llm_engine.vllm_config.scheduler_config
+        return {"max_num_batched_tokens": int(sc.max_num_batched_tokens),
+                "chunked_prefill": bool(sc.enable_chunked_prefill), "max_num_seqs": int(sc.max_num_seqs)}
 
     def score(self, seqs, positions, k):
         """See pipeline.teacher.Teacher.score: one Scored per sequence."""

@@ -60,7 +60,8 @@ class TeacherWorker:
         return True
 
     def run(self, unit: Unit):
-        """Score the unit's samples and write its shard. Returns {shard (a WrittenShard), teacher_s, tokens}."""
+        """Score the unit's samples and write its shard. Returns {shard (a WrittenShard), teacher_s, tokens, retried,
+        engine (the teacher engine's settings, or None)}."""
         t0 = time.perf_counter()
         retried = _retried(self.teacher)
         samples = unit.samples
@@ -79,7 +80,8 @@ class TeacherWorker:
                                  vocab_size=self.spec.vocab_size, sample_start=unit.sample_start,
                                  sample_end=unit.sample_end, tag=unit.shard_tag)
         return {"shard": shard, "teacher_s": teacher_s, "tokens": int(sum(len(s.input_ids) for s in samples)),
-                "retried": _retried(self.teacher) - retried}
+                "retried": _retried(self.teacher) - retried,
+                "engine": self.teacher.engine_info() if hasattr(self.teacher, "engine_info") else None}
 
     def _score(self, samples: list[Sample], k: int):
         """(Scored, Draws or None) of each sample: with --sample, its draws too, seeded per sample (the job's

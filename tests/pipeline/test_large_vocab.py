@@ -35,10 +35,14 @@ def test_vllm_at_a_151936_vocabulary_and_k128_equals_transformers_on_every_recor
         tiny["train"][:3]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     # No --max-length: the default comes from the teacher's context (512 here), which vLLM accepts.
+    # --batch-tokens 24: a sample longer than that is split over engine steps (chunked prefill), so that the
+    # [tokens, V] log-probs of a step stay bounded at long contexts; its scores must not change.
     res = precompute("--teacher", tmp_path / "teacher", "--data", data, "--out", tmp_path / "cache", "--backend",
-                     "vllm", "--top-k", 128, "--logprob-dtype", "float32", "--shard-size", 4, timeout=600,
-                     shared_ray=True)
+                     "vllm", "--top-k", 128, "--logprob-dtype", "float32", "--shard-size", 4, "--batch-tokens", 24,
+                     timeout=600, shared_ray=True)
     assert res.returncode == 0, res.stderr[-3000:]
+    engine = json.loads((tmp_path / "cache" / "report" / "summary.json").read_text())["teacher_engine"]
+    assert engine["max_num_batched_tokens"] == 24 and engine["chunked_prefill"] is True
     assert verify_cache(tmp_path / "cache").ok
     cache = open_cache(tmp_path / "cache")
     recs = list(cache)
@@ -46,6 +50,7 @@ def test_vllm_at_a_151936_vocabulary_and_k128_equals_transformers_on_every_recor
     assert m["vocab_size"] == VOCAB and len(recs) == len(rows) and m["meta"]["teacher_backend"] == "vllm"
     assert m["fingerprint_parts"]["capture"]["max_length"] == 512
     assert m["meta"]["vllm_engine"]["enforce_eager"] is False                  # the default: compiled
+    assert max(len(r.input_ids) for r in recs) > 2 * 24                    # some samples took 3+ engine steps
     ids = np.concatenate([r.topk_ids for r in recs])
     assert ids.max() < VOCAB and (ids >= 2**17).any()            # ids past 2^17 stored exactly
     _, want = hf_reference(str(tmp_path / "teacher"), recs, 128)
