@@ -68,7 +68,7 @@ class PrecomputeConfig:
     worker_cpus: float | None = field(None, "Ray CPUs reserved per worker (fractions allowed; default 1, or 0.25 for "
                                             "a served teacher, whose workers only wait on HTTP)")
     worker_gpus: float = field(-1.0, "Ray GPUs per worker; -1 = 1 if the cluster has GPUs, else 0")
-    threads: int = field(0, "torch threads per hf worker (0 = all cores / workers)")
+    threads: int = field(0, "torch threads per hf worker (0: $OMP_NUM_THREADS, else this process's cores / workers)")
     max_in_flight: int = field(2, "shards queued per worker (bounds memory)")
     requests_in_flight: int = field(8, "served teacher: HTTP requests in flight per worker (one sequence each)")
     batch_tokens: int = field(8192, "tokens per teacher forward batch")

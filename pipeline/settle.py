@@ -16,6 +16,7 @@ from kdcache.cache_format.location import Location
 from kdcache.cache_format.manifest import MANIFEST_NAME
 from kdcache.cache_format.store import is_store
 from kdcache.cache_format.tokenizer_id import diff_identity, tokenizer_identity
+from kdcache.common.env import default_threads
 from kdcache.common.errors import ConfigError, DataError
 
 from .data import is_cache, open_source_cache
@@ -49,7 +50,7 @@ class Job:
 
     def worker_spec(self) -> WorkerSpec:
         cfg = self.cfg
-        threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
+        threads = cfg.threads or default_threads(cfg.workers)
         gen = None if cfg.mode != "generate" else dict(
             max_new_tokens=cfg.gen_max_new_tokens, temperature=cfg.gen_temperature, top_p=cfg.gen_top_p,
             seed=cfg.seed, turn_ends=self.turn_ends, max_length=cfg.max_length)

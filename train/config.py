@@ -52,7 +52,7 @@ class TrainConfig:
     require_eos: bool = field(True, "refuse a cache whose first batch lacks end-of-turn positions")
     prefetch: int = field(2, "shards decoded ahead in the background")
     log_every: int = field(1, "steps between metric lines")
-    threads: int = field(0, "torch threads on CPU (0 = all cores / ranks)")
+    threads: int = field(0, "torch threads on CPU (0: $OMP_NUM_THREADS if set, else this process's cores / ranks)")
     trust_remote_code: bool = field(False, "allow model code from the student directory to run")
     progress: bool = field(True, "show a progress bar")
     mix_cache: str | None = field(None, "a second cache mixed in: each micro-batch comes from --cache with "

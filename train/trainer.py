@@ -21,6 +21,7 @@ from kdcache.cache_format.manifest import load_manifest
 from kdcache.cache_format.record import lacks_end_of_turn
 from kdcache.common.atomic import atomic_write_bytes, publish, remove
 from kdcache.common.config import dump
+from kdcache.common.env import default_threads
 from kdcache.common.errors import ConfigError, TrainDataError
 from kdcache.common.signals import StopFlag
 
@@ -143,7 +144,7 @@ def setup(cfg):
     rank, world = init_distributed()
     import deepspeed
     if not torch.cuda.is_available():
-        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(cfg.threads or default_threads(world))
     os.makedirs(cfg.out, exist_ok=True)
     stream = open_stream(cfg, cfg.cache, rank, world)
     if cfg.mix_cache:

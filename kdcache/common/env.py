@@ -35,3 +35,16 @@ def env_size(name, default):
 def env_seconds(name, default):
     value = os.environ.get(name)
     return float(default) if value in (None, "") else parse_seconds(value, name)
+
+
+def default_threads(processes=1):
+    """Torch threads for one of `processes` processes that share this machine, where the user set none: the
+    PyTorch convention, OMP_NUM_THREADS when it is set (torchrun sets 1 per rank), else the cores this process
+    may run on (its CPU affinity, not every core of the host) divided among the processes."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"OMP_NUM_THREADS: {value!r} is not a whole number >= 1")
+        return int(value)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(processes)))

@@ -3,7 +3,7 @@ read refused with the variable named (issue 23, item 13: KDCACHE_FETCH_BYTES=8G 
 tracebacks, the TTL one in every command; KDCACHE_SERVED_RETRY_S=2m silently became 120)."""
 import pytest
 
-from kdcache.common.env import env_seconds, env_size, parse_seconds, parse_size
+from kdcache.common.env import default_threads, env_seconds, env_size, parse_seconds, parse_size
 from kdcache.common.errors import ConfigError
 from tests.helpers.cli import kdcache, user_env
 
@@ -86,3 +86,24 @@ def test_the_lease_ttl_and_the_spool_dir_take_effect(tmp_path, monkeypatch):
     finally:
         spool.close_writing()
         spool.delete()
+
+
+def test_default_threads_follow_omp_num_threads_then_the_cores_this_process_may_use(monkeypatch):
+    """kdcache's torch threads where --threads is 0: OMP_NUM_THREADS as PyTorch's tools set it, else the cores of
+    this process's CPU affinity (a container or taskset share, not the host's count) divided among the processes."""
+    import os
+    import subprocess
+    import sys
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads() == 3 and default_threads(4) == 3         # a per-process setting, as torchrun's
+    monkeypatch.setenv("OMP_NUM_THREADS", "two")
+    with pytest.raises(ConfigError, match="OMP_NUM_THREADS: 'two'"):
+        default_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    cores = len(os.sched_getaffinity(0))
+    assert default_threads() == cores and default_threads(cores + 1) == 1
+    code = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); " \
+           "from kdcache.common.env import default_threads; print(default_threads())"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "1"
