@@ -139,6 +139,40 @@ def loss_memory(args, mode):
     return mem.peak / 2 ** 20
 
 
+def chunk_parts(args, chunks):
+    """Seconds per step of each piece of the fused loss (train/losses.py _FusedChunks) over N positions at each
+    chunk size: the head's forward matmul, the loss's forward + backward on [c, V] logits, d(hidden) and the
+    d(weight) accumulation into [V, H]. Where the chunk's cost comes from."""
+    from kdcache.train.losses import _loss_sums
+    N, V, H = args.batch * (args.seq - 1), args.vocab, args.hidden
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) * 0.02
+    _, _, _, tid, tlp, tail, tgt = batch(args)
+    rows = {}
+    for c in chunks:
+        cfg = LossConfig(beta=0.5, chunk_size=c)
+        gw = torch.zeros_like(w)
+        for _ in range(2):                                     # the first pass warms up; the second is kept
+            t = dict.fromkeys(("head matmul", "loss fwd+bwd", "d(hidden)", "d(weight) +="), 0.0)
+            for lo in range(0, N, c):
+                sl = slice(lo, lo + c)
+                t0 = time.perf_counter()
+                z = (h[sl] @ w.T).requires_grad_(True)
+                t1 = time.perf_counter()
+                with torch.enable_grad():
+                    loss, _, _ = _loss_sums(z, tid[sl], tlp[sl], tail[sl], tgt[sl], cfg)
+                (d,) = torch.autograd.grad(loss, z)
+                t2 = time.perf_counter()
+                _ = d @ w
+                t3 = time.perf_counter()
+                gw.addmm_(d.T, h[sl])
+                t4 = time.perf_counter()
+                for k, dt in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    t[k] += dt
+        rows[c] = t
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=32000)
@@ -152,8 +186,19 @@ def main():
     ap.add_argument("--mem-positions", type=int, default=4096)
     ap.add_argument("--mem-vocab", type=int, default=151936)
     ap.add_argument("--mem-chunk", type=int, default=1024, help="a chunk to compare the default with")
+    ap.add_argument("--parts", default="", help="chunk sizes, e.g. 128,256,1024: time each piece of the fused "
+                    "loss at each (and nothing else)")
     ap.add_argument("--_memory", choices=("chunked", "dense"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.parts:
+        rows = chunk_parts(args, [int(c) for c in args.parts.split(",")])
+        names = list(next(iter(rows.values())))
+        print(f"fused loss pieces, s per {args.batch * (args.seq - 1)} positions, vocab {args.vocab}, hidden "
+              f"{args.hidden}, {torch.get_num_threads()} threads")
+        print(f"{'chunk':>6}" + "".join(f"{n:>15}" for n in names) + f"{'total':>10}")
+        for c, t in rows.items():
+            print(f"{c:>6}" + "".join(f"{t[n]:>15.3f}" for n in names) + f"{sum(t.values()):>10.3f}")
+        return
     if args._memory:
         args.chunk = args.chunk or default_chunk(args.mem_vocab)
         print(json.dumps({"mb": loss_memory(args, args._memory)}))
