@@ -89,3 +89,32 @@ def test_generate_scored_reads_each_generated_step(fake_vllm):
     # generate() is the same pass with the scores dropped
     assert t.generate([np.array([1, 2]), np.array([3])], max_new_tokens=[5, 0], temperature=0.0, top_p=1.0,
                       seeds=[7, 8], turn_ends={new[-1]}) == [(new, True), ([], False)]
+
+
+def test_an_engine_that_cannot_split_samples_gets_whole_ones_and_says_so(monkeypatch, capsys):
+    """--batch-tokens is vLLM's step (a longer sample split over steps). A model whose engine has no chunked
+    prefill refuses a step below max_model_len (vLLM's ValueError): the teacher then asks for whole samples per
+    step and says what that costs; any other refusal is raised as it is."""
+    made = []
+
+    def llm(**kw):
+        made.append(kw["max_num_batched_tokens"])
+        if kw["max_num_batched_tokens"] < kw["max_model_len"]:
+            raise ValueError(f"max_num_batched_tokens ({kw['max_num_batched_tokens']}) is smaller than "
+                             f"max_model_len ({kw['max_model_len']}).")
+        return SimpleNamespace()
+    mod = types.ModuleType("vllm")
+    mod.LLM = llm
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    VLLMTeacher("m", max_length=4096, batch_tokens=512)
+    assert made == [512, 4096]
+    assert "cannot split a sample over engine steps" in capsys.readouterr().out
+    made.clear()
+    VLLMTeacher("m", max_length=4096, batch_tokens=8192)            # a step above max_model_len: asked as given
+    assert made == [8192]
+
+    def refuses(**kw):
+        raise ValueError("max_logprobs must be ...")
+    mod.LLM = refuses
+    with pytest.raises(ValueError, match="max_logprobs"):
+        VLLMTeacher("m", max_length=4096, batch_tokens=512)
