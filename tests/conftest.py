@@ -29,9 +29,9 @@ sys.meta_path.insert(0, _NoBareNames)
 # do) gets its share of the cores. Two workers of two torch threads each on 2 cores oversubscribe them, and
 # OpenMP's spinning threads then wait on descheduled ones: two quick demos side by side took 162 s that way,
 # 104 s with one thread each (one alone: 66 s).
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and not os.environ.get("OMP_NUM_THREADS"):
+    from kdcache.common.env import default_threads
+    os.environ["OMP_NUM_THREADS"] = str(default_threads(int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 # `make test` runs files on two workers (xdist --dist loadfile --no-loadscope-reorder), handed out in collection
 # order: the longest start first, so that short files fill the end and both workers finish together (a long file
