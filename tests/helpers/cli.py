@@ -54,8 +54,17 @@ def write_jsonl(path, rows):
 def kdcache(*args, timeout=120, env=None):
     """`python -m kdcache ARGS` from the user's project directory; env: a full environment (default user_env())."""
     env = user_env() if env is None else {k: v for k, v in env.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-m", "kdcache", *map(str, args)], cwd=user_project(),
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return run([sys.executable, "-m", "kdcache", *map(str, args)], env, timeout)
+
+
+def run(cmd, env, timeout):
+    """subprocess.run(cmd) to its end from the user's project, output captured as text. `python -m kdcache ...` is
+    forked from a process that has imported its libraries already (tests/helpers/zygote.py; KDCACHE_TEST_FORK=0:
+    a fresh interpreter, as before)."""
+    if cmd[:3] == [sys.executable, "-m", "kdcache"] and os.environ.get("KDCACHE_TEST_FORK", "1") != "0":
+        from tests.helpers import zygote
+        return zygote.run(cmd[3:], user_project(), env, timeout)
+    return subprocess.run(cmd, cwd=user_project(), capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def precompute(*args, timeout=300, extra_env=None, shared_ray=False):

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kdcache.cache_format import open_cache, verify_cache
-from tests.helpers.cli import user_env, user_project
+from tests.helpers.cli import run, user_env, user_project
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.deepspeed]
 
@@ -46,8 +46,8 @@ def test_quick_demo_chain(tmp_path):
     report = (root / "report" / "report.md").read_text()
     assert "| student_no_eos |" in report and "lengths.png" in report
     # Rerun reuses everything and says so.
-    res = subprocess.run([sys.executable, "-m", "kdcache", "demo", "--quick", "--backend", "hf", "--root", str(root),
-                          "--stage", "train"], cwd=user_project(), env=env, capture_output=True, text=True, timeout=600)
+    res = run([sys.executable, "-m", "kdcache", "demo", "--quick", "--backend", "hf", "--root", str(root),
+               "--stage", "train"], env, 600)
     assert res.returncode == 0
     assert "reusing the trained teacher" in res.stdout and "nothing to do" in res.stdout
     assert "reusing the trained student" in res.stdout

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from tests.helpers import cli
 from tests.helpers.cli import precompute, user_env, user_project, write_jsonl
 
 
@@ -35,11 +36,11 @@ def train_cmd(setup, out, *extra):
             *map(str, extra)]
 
 
-def run(cmd, timeout=400):
-    env = user_env()
+def run(cmd, timeout=400, env=None):
+    env = dict(user_env() if env is None else env)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    return subprocess.run(cmd, cwd=user_project(), capture_output=True, text=True, timeout=timeout, env=env)
+    return cli.run(cmd, env, timeout)
 
 
 def losses(out):

@@ -204,8 +204,7 @@ def test_a_sigterm_during_a_periodic_checkpoint_stops_right_after_it(setup, tmp_
     whole, instead of training step 5 and saving a second time (issue 23, item 14)."""
     out = tmp_path / "o"
     env = user_env(KDCACHE_SIGTERM_AT="before-replace-complete.json@2")
-    res = subprocess.run(train_cmd(setup, out, "--max-steps", 12, "--batch-size", 2, "--save-every", 2),
-                         cwd=user_project(), env=env, capture_output=True, text=True, timeout=400)
+    res = run(train_cmd(setup, out, "--max-steps", 12, "--batch-size", 2, "--save-every", 2), env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "stopped by SIGTERM at step 4" in res.stdout, res.stdout[-2000:]
     assert [r["step"] for r in losses(out)] == [1, 2, 3, 4]
