@@ -119,4 +119,3 @@ def bucket(s3, request):
     import uuid
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:6]
     return s3.make_bucket(name)
-
