@@ -99,28 +99,54 @@ class HFTeacher:
                  vocab_limit=None):
         """See pipeline.teacher.Teacher.generate. As a --generator: vocab_limit, sample ids below it only (the
         teacher's rows); logprobs, also return each sampled token's log-prob (float32 [n]) under the distribution
-        it was drawn from (temperature and top-p applied; 0 for greedy decoding)."""
-        results = []
-        g = torch.Generator(device=self.device)
-        for p, budget, seed in zip(prompts, max_new_tokens, seeds):
-            g.manual_seed(int(seed))
-            past, new, lps = None, [], []
-            x = torch.tensor([np.asarray(p).tolist()], device=self.device)
-            for _ in range(int(budget)):
-                o = self.model(input_ids=x, past_key_values=past, use_cache=True)
-                past = o.past_key_values
-                logits = o.logits[0, -1].float()
-                if vocab_limit is not None:
-                    logits = logits[:vocab_limit]
-                tok, lp = _sample(logits, temperature, top_p, g)
-                new.append(tok)
-                lps.append(lp)
-                if tok in turn_ends:
-                    break
-                x = torch.tensor([[tok]], device=self.device)
-            ended = bool(new) and new[-1] in turn_ends
-            results.append((new, ended, np.array(lps, np.float32)) if logprobs else (new, ended))
+        it was drawn from (temperature and top-p applied; 0 for greedy decoding).
+
+        Prompts are decoded together in batches of up to batch_tokens (prompt + budget, padded on the left), each
+        with a generator of its own seed that draws once per step, so a sample's tokens do not depend on the
+        others in its batch (tests/pipeline/test_hf_generate.py)."""
+        results = [None] * len(prompts)
+        for idx in budget_groups(range(len(prompts)), lambda i: len(prompts[i]) + int(max_new_tokens[i]),
+                                 max_tokens=self.batch_tokens):
+            rows = self._generate_rows([prompts[i] for i in idx], [int(max_new_tokens[i]) for i in idx],
+                                       [seeds[i] for i in idx], temperature, top_p, turn_ends, vocab_limit)
+            for i, (new, lps) in zip(idx, rows):
+                ended = bool(new) and new[-1] in turn_ends
+                results[i] = (new, ended, np.array(lps, np.float32)) if logprobs else (new, ended)
         return results
+
+    def _generate_rows(self, prompts, budgets, seeds, temperature, top_p, turn_ends, vocab_limit):
+        """One batch: [(new ids, their log-probs)] per prompt, decoded with a KV cache."""
+        B, L = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.long)
+        for r, p in enumerate(prompts):                      # left padding: every row's next token is at the end
+            ids[r, L - len(p):] = torch.from_numpy(np.asarray(p, dtype=np.int64))
+            mask[r, L - len(p):] = 1
+        gens = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
+        new, lps = [[] for _ in range(B)], [[] for _ in range(B)]
+        live = [b > 0 for b in budgets]
+        x, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        past = None
+        while any(live):
+            o = self.model(input_ids=x, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            logits = o.logits[:, -1].float()
+            if vocab_limit is not None:
+                logits = logits[:, :vocab_limit]
+            step = [0] * B
+            for r in range(B):
+                if not live[r]:
+                    continue
+                tok, lp = _sample(logits[r], temperature, top_p, gens[r])
+                new[r].append(tok)
+                lps[r].append(lp)
+                step[r] = tok
+                live[r] = tok not in turn_ends and len(new[r]) < budgets[r]
+            x = torch.tensor(step, device=self.device)[:, None]
+            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+            pos = pos[:, -1:] + 1
+        return list(zip(new, lps))
 
 
 def _sample(logits, temperature, top_p, g):
