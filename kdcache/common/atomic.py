@@ -12,9 +12,11 @@ import uuid
 # Fault injection for bench/chaos.py and the tests. KDCACHE_CRASH_AT="NAME@N": SIGKILL this process
 # the N-th time it reaches crash point NAME. KDCACHE_ENOSPC_AT="NAME@N": raise "No space left on
 # device" there instead (a disk filling up). KDCACHE_SIGTERM_AT="NAME@N": send this process SIGTERM there and go
-# on (a signal that lands mid-write). Unset in normal runs: one string test, no effect.
+# on (a signal that lands mid-write). KDCACHE_STOP_AT="NAME@N": stop this process there (SIGSTOP), so that a test
+# acts at a known point (SIGCONT goes on). Unset in normal runs: one string test, no effect.
 _FAULTS = {kind: os.environ.get(var, "").partition("@") for kind, var in
-           (("kill", "KDCACHE_CRASH_AT"), ("enospc", "KDCACHE_ENOSPC_AT"), ("term", "KDCACHE_SIGTERM_AT"))}
+           (("kill", "KDCACHE_CRASH_AT"), ("enospc", "KDCACHE_ENOSPC_AT"), ("term", "KDCACHE_SIGTERM_AT"),
+            ("stop", "KDCACHE_STOP_AT"))}
 _HITS = {}
 
 
@@ -25,8 +27,8 @@ def crash_point(name):
             if _HITS[kind] == int(n or 1):
                 if kind == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
-                elif kind == "term":
-                    os.kill(os.getpid(), signal.SIGTERM)
+                elif kind in ("term", "stop"):
+                    os.kill(os.getpid(), signal.SIGTERM if kind == "term" else signal.SIGSTOP)
                     continue
                 raise OSError(28, "No space left on device (injected)")
 

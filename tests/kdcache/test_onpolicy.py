@@ -113,10 +113,28 @@ def test_rounds_train_on_the_students_own_completions_with_one_schedule(straight
 
 def _wait(predicate, proc, what, timeout=300):
     deadline = time.time() + timeout
-    while not predicate():
+    while not (value := predicate()):
         assert proc.poll() is None, f"the loop ended (exit {proc.returncode}) before {what}"
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+    return value
+
+
+def _held_worker(loop, round2_location):
+    """Processes of the loop and of this test process's Ray head that stopped themselves (KDCACHE_STOP_AT): round
+    2's teacher worker is returned, any other (round 1's worker, a training stage) is let go on."""
+    from tests.helpers.raycluster import shared_head
+    for root in (loop.pid, shared_head().proc.pid):
+        for p in psutil.Process(root).children(recursive=True):
+            try:
+                if p.status() != psutil.STATUS_STOPPED:
+                    continue
+                if "TeacherWorker" in " ".join(p.cmdline()) and os.path.isfile(round2_location):
+                    return p
+                p.resume()
+            except psutil.NoSuchProcess:
+                pass
+    return None
 
 
 def _pending(pid):
@@ -141,13 +159,18 @@ def test_a_loop_killed_in_round_two_and_rerun_equals_one_that_ran_through(straig
     out = str(tmp / "killed")
     cmd, env = _command(tmp, tiny, stopping, out, offpolicy=offpolicy)
     round2 = os.path.join(out, "rounds", "round-0002")
-    # 1. kill -9 while round 2's cache has one of its two shards
-    proc = subprocess.Popen(cmd, cwd=user_project(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # 1. kill -9 while round 2's cache has one of its two shards: every process that writes shards or checkpoints
+    # stops itself before its second (KDCACHE_STOP_AT); all go on but round 2's teacher worker, which holds shard 2
+    # while the driver commits shard 1 (however fast the shards are made, the kill lands between them).
+    proc = subprocess.Popen(cmd, cwd=user_project(), env=dict(env, KDCACHE_STOP_AT="before-publish@2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    worker = _wait(lambda: _held_worker(proc, os.path.join(round2, "cache.txt")), proc, "round 2's second shard")
     _wait(lambda: _committed(os.path.join(round2, "cache.txt")) >= 1, proc, "round 2's first shard")
     stages = psutil.Process(proc.pid).children()
     proc.kill()
     for st in stages:
         os.killpg(st.pid, signal.SIGKILL)
+    worker.kill()
     proc.wait()
     assert _committed(os.path.join(round2, "cache.txt")) == 1               # the fault landed mid-rollout
     assert [e["stage"] for e in _summary(out)["rounds"]] == ["trained", "new"]
