@@ -57,16 +57,22 @@ def test_concurrent_readers_while_a_precompute_writes(tmp_path, tiny):
     for p in procs:
         p.start()
     data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:40])
-    res = precompute("--teacher", tiny["teacher"], "--data", data, "--out", b, "--backend", "hf", "--top-k", 8,
-                     "--shard-size", 2, "--format", "zarr")                           # 20 commits meanwhile
-    results = [q.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
+    results = []
+    try:
+        res = precompute("--teacher", tiny["teacher"], "--data", data, "--out", b, "--backend", "hf", "--top-k", 8,
+                         "--shard-size", 2, "--format", "zarr")                       # 20 commits meanwhile
+        # a failed job first, with its own output (the pollers would wait out their timeout for it)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+        results = [q.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=60 if len(results) == len(procs) else 0)
+            if p.is_alive():
+                p.kill()
     assert not [r for r in results if r[0] == "error"], results
     readers = [r[1] for r in results if r[0] == "reader"]
     assert len(readers) == 3 and all(r == sorted(list(range(120)) * 2) for r in readers)
     pollers = [r for r in results if r[0] == "poller"]
-    assert res.returncode == 0, res.stderr[-2000:]
     assert len(pollers) == 2 and all(not r[2] for r in pollers)        # never a partial shard
     assert all(r[1] == 20 for r in pollers)                            # they followed it to the end
     assert open_cache(b).complete and len(open_cache(b)) == 40
