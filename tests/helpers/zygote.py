@@ -12,8 +12,8 @@ then a fork of it that runs `kdcache` as `python -m kdcache` would:
 - it exits as Python does: non-daemon threads joined, then atexit handlers, then the exit code (a signal's
   death reads as -N, as with subprocess).
 
-Only commands that run to an end use it (tests/helpers/cli.py `kdcache`); a test that signals, hangs up on or
-times a command starts a real process (subprocess.Popen), as users do.
+Only commands that run to an end use it (tests/helpers/cli.py `run`, which `kdcache` and `precompute` call); a
+test that signals, hangs up on or kills a command starts a real process (subprocess.Popen), as users do.
 """
 import json
 import os
