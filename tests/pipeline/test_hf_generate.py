@@ -76,3 +76,42 @@ def test_sampled_rows_do_not_depend_on_their_batch_and_logprobs_are_what_they_we
         a = model.generate([p], **dict(top_p, max_new_tokens=[10], seeds=[s]))[0]
         assert new == a[0]
         np.testing.assert_allclose(lps, a[2], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma", "llama3"])
+def test_batches_equal_transformers_generate_on_other_families(family, tmp_path):
+    """Gemma 2 (eager attention, soft-capped logits, sliding window) and Llama 3 (three stop ids), the templates'
+    own prompts of other lengths: greedy batches equal transformers' generate() on each prompt alone, and sampled
+    rows equal themselves decoded alone."""
+    from kdcache.pipeline.chat import render
+    from tests.helpers.families import (
+        CHATS,
+        FAMILY_ARCH,
+        corpus_texts,
+        expected_refusal,
+        family_model,
+        family_tokenizer,
+    )
+    tok = family_tokenizer(family, str(tmp_path / "tok"), corpus_texts())
+    family_model(tok, str(tmp_path / "m"), arch=FAMILY_ARCH[family])
+    model = HFTeacher(str(tmp_path / "m"), dtype="float32")
+    chats = [c["messages"] for c in CHATS if not expected_refusal(family, c["messages"])][:5]
+    ps = [np.array(tok(render(tok, m[:-1], gen_prompt=True), add_special_tokens=False)["input_ids"]) for m in chats]
+    assert len({len(p) for p in ps}) > 2
+    ends = set(np.atleast_1d(model.model.generation_config.eos_token_id).tolist())
+    out = model.generate(ps, max_new_tokens=[8] * len(ps), temperature=0.0, top_p=1.0, seeds=[0] * len(ps),
+                         turn_ends=ends)
+    for p, (new, ended) in zip(ps, out):
+        with torch.no_grad():
+            ref = model.model.generate(torch.tensor([p.tolist()]), attention_mask=torch.ones(1, len(p),
+                                                                                             dtype=torch.long),
+                                       do_sample=False, max_new_tokens=8, eos_token_id=sorted(ends),
+                                       pad_token_id=sorted(ends)[0])
+        assert new == ref[0, len(p):].tolist() and ended == (new[-1] in ends)
+    args = dict(max_new_tokens=[8] * len(ps), temperature=1.0, top_p=1.0, seeds=list(range(len(ps))),
+                turn_ends=ends, logprobs=True)
+    together = model.generate(ps, **args)
+    for i, (p, (new, _, lps)) in enumerate(zip(ps, together)):
+        a = model.generate([p], **dict(args, max_new_tokens=[8], seeds=[i]))[0]
+        assert new == a[0]
+        np.testing.assert_allclose(lps, a[2], atol=1e-5)
