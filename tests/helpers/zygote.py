@@ -68,6 +68,9 @@ def _command(args, cwd, env, path, out_path, err_path):
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    # Ray's native settings were read from the server's environment when it imported Ray: read them again from the
+    # command's (RAY_AUTH_MODE=token there once made its own Ray's GCS refuse its driver).
+    sys.modules["ray._raylet"].Config.initialize("")
     for fd, name, flags in ((0, os.devnull, os.O_RDONLY), (1, out_path, os.O_WRONLY), (2, err_path, os.O_WRONLY)):
         f = os.open(name, flags)
         os.dup2(f, fd)

@@ -1,5 +1,6 @@
 """Teachers larger than one GPU: --tensor-parallel-size checks, worker counts, and placement groups on a Ray whose
 GPUs are fake (`num_gpus=4`): what a tensor-parallel vLLM worker is given, without a GPU."""
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -59,11 +60,18 @@ def test_the_command_refuses_tensor_parallel_off_vllm_before_any_work(tiny, tmp_
 
 @pytest.fixture(scope="module")
 def fake_gpus():
+    """A Ray in this test process. ray.init sets RAY_AUTH_MODE=token in os.environ for its own cluster: restored
+    after, so that later tests' commands get the environment a user's shell gives them."""
     import ray
+    saved = os.environ.get("RAY_AUTH_MODE")
     ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1", configure_logging=False)
     yield ray
     ray.shutdown()
+    if saved is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = saved
 
 
 @pytest.mark.ray
