@@ -79,6 +79,8 @@ def precompute(*args, timeout=300, extra_env=None, shared_ray=False):
 
 def on_shared_ray(args, env):
     """(args, env) of a precompute that joins this test process's Ray head. Its workers get the job's KDCACHE_*
-    variables (pipeline.dispatch.cluster_env), not the rest of its environment."""
-    from tests.helpers.raycluster import ENV, shared_head
-    return (*args, "--ray-address", shared_head().address), dict(env, **ENV)
+    variables (pipeline.dispatch.cluster_env), not the rest of its environment; those of a job without any are
+    forked from a preloaded server (tests/helpers/rayfork.py)."""
+    from tests.helpers.raycluster import shared_head
+    head = shared_head()
+    return (*args, "--ray-address", head.address), dict(env, **head.env())

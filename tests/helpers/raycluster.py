@@ -3,10 +3,14 @@
 Jobs that are not about Ray's own start, stop or signals (reference runs, fixtures' caches) join it with
 `--ray-address` (tests/helpers/cli.py `precompute(..., shared_ray=True)`): a job that starts its own Ray spends
 5-9 s of its 13-28 s here on Ray's start and stop. Such a job's workers get the job's KDCACHE_* variables (crash
-points, retries, spools: pipeline.dispatch.cluster_env), and the rest of the cluster's environment.
+points, retries, spools: pipeline.dispatch.cluster_env), and the rest of the cluster's environment. The workers of
+jobs that pass none are forked from a server that has imported torch and transformers (tests/helpers/rayfork.py:
+about 4 CPU-s less per job); KDCACHE_TEST_FORK=0 starts them as Ray does.
 """
 import atexit
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,7 +24,7 @@ ENV = {"RAY_AUTH_MODE": "disabled"}          # a throwaway cluster on loopback: 
 
 class RayHead:
     def __init__(self, num_cpus=2):
-        self.port, self.num_cpus, self.proc = free_port(), num_cpus, None
+        self.port, self.num_cpus, self.proc, self.forks = free_port(), num_cpus, None, None
 
     @property
     def address(self):
@@ -53,8 +57,35 @@ class RayHead:
         self.stop()
         raise AssertionError(f"the Ray head did not listen on {self.port} after {timeout} s")
 
+    def start_forks(self):
+        """The server that forks this head's workers for the jobs that join it with env() (tests/helpers/rayfork.py).
+        Not waited for: until it listens, workers start as Ray starts them."""
+        import tempfile
+        self.fork_socket = os.path.join(tempfile.mkdtemp(prefix="kdcache-rayfork-"), "socket")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KDCACHE_") and k != "PYTHONPATH"}
+        self.forks = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "rayfork.py"), "serve",
+                                       self.fork_socket], stdout=subprocess.DEVNULL, env=env, start_new_session=True)
+        return self
+
+    def env(self):
+        """What a job's driver that joins this head gets: no token, and its workers forked where the server runs."""
+        if self.forks is None:
+            return dict(ENV)
+        from tests.helpers.rayfork import py_executable
+        job = {"runtime_env": {"py_executable": py_executable(self.fork_socket)}}
+        return dict(ENV, RAY_JOB_CONFIG_JSON_ENV_VAR=json.dumps(job))
+
     def stop(self):
-        """SIGKILL to the head's session, its children included (a throwaway cluster: nothing to save)."""
+        """SIGKILL to the head's session, its children included (a throwaway cluster: nothing to save), and to the
+        fork server's."""
+        if self.forks is not None:
+            try:
+                os.killpg(self.forks.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.forks.wait(timeout=60)
+            self.forks = None
+            shutil.rmtree(os.path.dirname(self.fork_socket), ignore_errors=True)
         if self.proc is None:
             return
         try:
@@ -71,6 +102,9 @@ _SHARED = []
 def shared_head():
     """This process's shared head, started on first use and stopped at exit."""
     if not _SHARED:
-        _SHARED.append(RayHead().start())
+        head = RayHead()
+        if os.environ.get("KDCACHE_TEST_FORK", "1") != "0":        # as tests/helpers/cli.py's commands
+            head.start_forks()
+        _SHARED.append(head.start())
         atexit.register(_SHARED[0].stop)
     return _SHARED[0]

@@ -121,10 +121,12 @@ def _wait(predicate, proc, what, timeout=300):
 
 
 def _held_worker(loop, round2_location):
-    """Processes of the loop and of this test process's Ray head that stopped themselves (KDCACHE_STOP_AT): round
-    2's teacher worker is returned, any other (round 1's worker, a training stage) is let go on."""
+    """Processes of the loop and of this test process's Ray head (its workers: the head's, or its fork server's)
+    that stopped themselves (KDCACHE_STOP_AT): round 2's teacher worker is returned, any other (round 1's worker, a
+    training stage) is let go on."""
     from tests.helpers.raycluster import shared_head
-    for root in (loop.pid, shared_head().proc.pid):
+    head = shared_head()
+    for root in (loop.pid, head.proc.pid) + ((head.forks.pid,) if head.forks else ()):
         for p in psutil.Process(root).children(recursive=True):
             try:
                 if p.status() != psutil.STATUS_STOPPED:
