@@ -191,8 +191,9 @@ def evaluate(info, models):
     return res
 
 
-def sighup_trial(info, work, arm, args):
-    """Start the arm's command, SIGHUP its process group mid-run (a closed terminal), report what remains."""
+def signal_trial(info, work, arm, args):
+    """Start the arm's command, then mid-run SIGHUP its process group (a closed terminal) or, with --signal kill,
+    SIGKILL its main process (kill -9); report what remains, and for (b) what the same command does rerun."""
     n = args.steps * args.batch
     data = write_jsonl(prompts(info, n, 200), os.path.join(work, "prompts.jsonl"))
     out = os.path.join(work, f"hup-{arm}")
@@ -209,16 +210,20 @@ def sighup_trial(info, work, arm, args):
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT,
                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     time.sleep(args.hup_after)
-    os.killpg(proc.pid, signal.SIGHUP)
+    sig = signal.SIGKILL if args.signal == "kill" else signal.SIGHUP
+    if sig == signal.SIGKILL:
+        os.kill(proc.pid, sig)
+    else:
+        os.killpg(proc.pid, sig)
     code = proc.wait()
     if arm == "b":
         rounds = json.load(open(os.path.join(out, "summary.json")))["rounds"]
         t0 = time.time()
         rerun = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
-        return (f"exit {code} after SIGHUP at {args.hup_after} s, rounds then {[r['stage'] for r in rounds]}; the same "
-                f"command rerun: exit {rerun}, finished in {time.time() - t0:.0f} s from where it stopped")
+        return (f"exit {code} after {sig.name} at {args.hup_after} s, rounds then {[r['stage'] for r in rounds]}; "
+                f"the same command rerun: exit {rerun}, finished in {time.time() - t0:.0f} s from where it stopped")
     saved = os.path.exists(os.path.join(out, "final"))
-    return (f"exit {code} (killed by SIGHUP: {code == -signal.SIGHUP}) at {args.hup_after} s; final model saved: "
+    return (f"exit {code} (killed by {sig.name}: {code == -sig}) at {args.hup_after} s; final model saved: "
             f"{saved}; with save_strategy 'no' nothing remains, with checkpoints the Trainer resumes the last one "
             "but the step's samples are drawn again")
 
@@ -233,7 +238,9 @@ def main():
     ap.add_argument("--sft-steps", type=int, default=60)
     ap.add_argument("--hup-after", type=float, default=40.0)
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-onpolicy"))
-    ap.add_argument("--only-sighup", action="store_true", help="only the SIGHUP trials (after a full run)")
+    ap.add_argument("--only-sighup", action="store_true", help="only the signal trials (after a full run)")
+    ap.add_argument("--signal", choices=["hup", "kill"], default="hup",
+                    help="the trials' signal: SIGHUP to the arm's process group, or SIGKILL to its main process")
     ap.add_argument("--trl-arm", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_arm:
@@ -278,11 +285,11 @@ def main():
               f"{cell('exact_match', '{:.2f}')} | {cell('stop_rate', '{:.2f}')} | {cell('s_per_step', '{:.2f}')} | "
               f"{cell('teacher_tokens', '{:,.0f}')} |")
     if args.hup_after > 0:
-        work = os.path.join(args.out, "sighup")
+        work = os.path.join(args.out, f"sig{args.signal}")
         shutil.rmtree(work, ignore_errors=True)
         os.makedirs(work)
         for arm in ("b", "c"):
-            print(f"SIGHUP, arm {arm}: {sighup_trial(info, work, arm, args)}", flush=True)
+            print(f"SIG{args.signal.upper()}, arm {arm}: {signal_trial(info, work, arm, args)}", flush=True)
     return 0
 
 
