@@ -89,10 +89,11 @@ def client(socket_path, argv):
 # ------------------------------------------------------------------------------------------------- the server
 def _worker(conn, request, fds, base_path):
     """The forked child: become `python ARGV` (Ray's default_worker.py) and exit as it does."""
-    import atexit
     import runpy
     import threading
-    import traceback
+
+    # this file's directory is first on the server's sys.path
+    from zygote import exit_as_python
     os.setsid()                  # a group of its own: Ray ends a worker's process group, not the server's
     for fd, new in zip(fds, (0, 1, 2)):
         os.dup2(fd, new)
@@ -113,24 +114,7 @@ def _worker(conn, request, fds, base_path):
             pass
         os.kill(os.getpid(), signal.SIGKILL)
     threading.Thread(target=die_with_client, daemon=True).start()
-    try:
-        runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    try:
-        threading._shutdown()
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(code & 0xFF)
+    exit_as_python(lambda: runpy.run_path(script, run_name="__main__"))
 
 
 def serve(socket_path):

@@ -61,10 +61,7 @@ def _exit_code(code):
 
 def _command(args, cwd, env, path, out_path, err_path):
     """The forked child: become `python -m kdcache ARGS` and exit with its code."""
-    import atexit
     import runpy
-    import threading
-    import traceback
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -77,8 +74,17 @@ def _command(args, cwd, env, path, out_path, err_path):
         os.close(f)
     sys.path[:] = path
     sys.argv = ["kdcache", *args]
+    exit_as_python(lambda: runpy.run_module("kdcache", run_name="__main__", alter_sys=True))
+
+
+def exit_as_python(main):
+    """Run main() in a forked child, then exit as the interpreter would: its exit code (SystemExit's, or 1 after a
+    traceback), non-daemon threads joined, atexit handlers run, streams flushed."""
+    import atexit
+    import threading
+    import traceback
     try:
-        runpy.run_module("kdcache", run_name="__main__", alter_sys=True)
+        main()
         code = 0
     except SystemExit as e:
         code = _exit_code(e.code)
