@@ -77,23 +77,22 @@ class RayHead:
 
     def stop(self):
         """SIGKILL to the head's session, its children included (a throwaway cluster: nothing to save), and to the
-        fork server's."""
+        fork server's (its forked workers end with their clients, which are the head's)."""
         if self.forks is not None:
-            try:
-                os.killpg(self.forks.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.forks.wait(timeout=60)
+            _kill_session(self.forks)
             self.forks = None
             shutil.rmtree(os.path.dirname(self.fork_socket), ignore_errors=True)
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=60)
-        self.proc = None
+        if self.proc is not None:
+            _kill_session(self.proc)
+            self.proc = None
+
+
+def _kill_session(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)
 
 
 _SHARED = []
