@@ -18,7 +18,9 @@ Every arm: generalized JSD beta 0.5, the same learning rate, batch and step coun
 the teacher scores steps x batch samples in each). Reported per arm and seed: held-out KL(student || teacher) per
 token on the student's own greedy completions (kdcache eval's on-policy figure), the teacher-forced KL on the
 reference answers, exact match, stop rate, wall seconds per student step (everything the arm runs, rollouts and
-teacher included), and the teacher tokens scored. Then each arm's answer to a SIGHUP mid-run.
+teacher included, start-up too), the same after start-up ((b): its rounds after the first, which starts Ray, the
+teacher worker and the trainer; (c): GKDTrainer.train(), after imports and model loading), and the teacher tokens
+scored. Then each arm's answer to a SIGHUP mid-run.
 """
 import argparse
 import json
@@ -131,8 +133,11 @@ def arm_onpolicy(info, work, seed, args):
                    "--warmup-steps", 10, "--save-every", 0, "--gen-temperature", 1, "--gen-max-new-tokens",
                    NEW_TOKENS, "--top-k", 32, "--backend", "hf", "--no-progress", log=os.path.join(work, "log.txt"))
     rounds = json.load(open(os.path.join(out, "summary.json")))["rounds"]
-    return {"model": os.path.join(out, "final"), "seconds": secs, "teacher_tokens": sum(r["teacher_tokens"]
-                                                                                        for r in rounds)}
+    later = rounds[1:]          # past the first round, which starts Ray, the teacher worker and the trainer
+    loop = sum(r["seconds"]["rollout"] + r["seconds"]["training"] for r in later) / max(1, sum(
+        r["steps"][1] - r["steps"][0] + 1 for r in later)) if later else None
+    return {"model": os.path.join(out, "final"), "seconds": secs, "loop_s_per_step": loop,
+            "teacher_tokens": sum(r["teacher_tokens"] for r in rounds)}
 
 
 def arm_trl(info, work, seed, args):
@@ -146,7 +151,7 @@ def arm_trl(info, work, seed, args):
         raise SystemExit(f"the TRL arm failed ({res.returncode}); see {work}/log.txt")
     got = json.load(open(os.path.join(out, "trl.json")))
     return {"model": os.path.join(out, "final"), "seconds": time.time() - t0, "teacher_tokens": got["teacher_tokens"],
-            "train_s": got["train_s"]}
+            "train_s": got["train_s"], "loop_s_per_step": got["train_s"] / args.steps}
 
 
 def trl_main(spec):
@@ -236,7 +241,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--teacher-steps", type=int, default=800)
     ap.add_argument("--sft-steps", type=int, default=60)
-    ap.add_argument("--hup-after", type=float, default=40.0)
+    ap.add_argument("--hup-after", type=float, default=20.0)
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-onpolicy"))
     ap.add_argument("--only-sighup", action="store_true", help="only the signal trials (after a full run)")
     ap.add_argument("--signal", choices=["hup", "kill"], default="hup",
@@ -261,7 +266,8 @@ def main():
             r = res[k]
             row = {"seed": seed, "arm": k, "onpolicy_kl": r["onpolicy_kl"], "kl_from_teacher": r["kl_from_reference"],
                    "exact_match": r["exact_match"], "stop_rate": r["stop_rate"],
-                   "s_per_step": v["seconds"] / args.steps, "teacher_tokens": v["teacher_tokens"]}
+                   "s_per_step": v["seconds"] / args.steps, "teacher_tokens": v["teacher_tokens"],
+                   **({"loop_s_per_step": v["loop_s_per_step"]} if v.get("loop_s_per_step") else {})}
             table.append(row)
             print(json.dumps(row), flush=True)
         table.append({"seed": seed, "arm": "teacher", "exact_match": res["teacher"]["exact_match"],
@@ -270,8 +276,9 @@ def main():
             info, {"start": info["student"]})["start"].items() if k in ("onpolicy_kl", "exact_match", "stop_rate")}})
     if table:
         json.dump(table, open(os.path.join(args.out, "results.json"), "w"), indent=1)
-    print("\n| arm | KL(S‖T) own samples | KL(T‖S) reference | exact match | stop rate | s/step | teacher tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| arm | KL(S‖T) own samples | KL(T‖S) reference | exact match | stop rate | s/step | s/step after "
+          "start-up | teacher tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for arm in ("student_start", "a_offpolicy", "b_onpolicy", "c_trl_gkd", "teacher"):
         rows = [r for r in table if r["arm"] == arm]
 
@@ -283,6 +290,7 @@ def main():
             return f"{fmt.format(statistics.mean(vals))} ± {fmt.format(sd)}"
         print(f"| {arm} | {cell('onpolicy_kl', '{:.3f}')} | {cell('kl_from_teacher', '{:.3f}')} | "
               f"{cell('exact_match', '{:.2f}')} | {cell('stop_rate', '{:.2f}')} | {cell('s_per_step', '{:.2f}')} | "
+              f"{cell('loop_s_per_step', '{:.3f}')} | "
               f"{cell('teacher_tokens', '{:,.0f}')} |")
     if args.hup_after > 0:
         work = os.path.join(args.out, f"sig{args.signal}")

@@ -5,8 +5,10 @@ prompts (`kdcache precompute --mode generate --generator STUDENT`, its log-prob 
 behavior_logprobs); the teacher scores them into a cache in a store; the student trains N steps on that cache
 (`kdcache train --until-step --new-cache`), one optimizer, schedule and step count across every round.
 
-Each stage is a kdcache command that already resumes after kill -9, SIGTERM and SIGHUP. DIR/summary.json says
-which stages are done (written atomically after each), so the same command, rerun, goes on where it stopped:
+Each stage is what a kdcache command runs, and resumes as it does after kill -9, SIGTERM and SIGHUP: kept up in
+this process across rounds (--stages kept: Ray, the teacher and the trainer start once), or a command of its own
+per stage (--stages fresh; kdcache/stages.py). DIR/summary.json says which stages are done (written atomically
+after each), so the same command, rerun, goes on where it stopped:
 
     DIR/onpolicy_config.yaml    the settings (a rerun with others is refused)
     DIR/summary.json            {"rounds": [{"round", "prompts", "cache", "stage", "done", "teacher_tokens",
@@ -16,12 +18,9 @@ which stages are done (written atomically after each), so the same command, reru
     DIR/metrics.jsonl, DIR/checkpoints/, DIR/tensorboard/, DIR/final/    as `kdcache train --out DIR` writes them
 """
 import argparse
-import ctypes
 import dataclasses
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from kdcache.common.config import add_flags, coerce, field, load, validate
 from kdcache.common.errors import ConfigError, KdcacheError
 from kdcache.common.signals import StopFlag
 from kdcache.pipeline.config import PrecomputeConfig
+from kdcache.stages import make_stages
 from kdcache.train.config import TrainConfig
 
 SUMMARY, CONFIG, LOCK = "summary.json", "onpolicy_config.yaml", ".onpolicy.lock"
@@ -57,6 +57,10 @@ class OnpolicyConfig:
                                               "else from this one (GKD's lambda)")
     lmbda: float = field(0.5, "with --offpolicy-cache (also --lambda): the probability that a micro-batch comes from "
                               "the round's cache")
+    stages: str = field("auto", "kept: the stages run in this process and stay up across rounds (Ray, the teacher "
+                                "and the trainer start once); fresh: each stage is a command of its own, which frees "
+                                "its memory and GPUs when it ends; auto: kept unless a GPU is visible or "
+                                "--nproc-per-node is above 1", choices=("auto", "kept", "fresh"))
 
     def __post_init__(self):
         validate(self, required=("teacher", "student", "data", "out", "prompts_per_round", "steps_per_round"),
@@ -111,6 +115,7 @@ def parse(argv):
 
 # ---------------------------------------------------------------------------- the loop
 def run(cfg, pre, train):
+    t_start = time.time()
     os.makedirs(cfg.out, exist_ok=True)
     lock = _lock(cfg.out)
     try:
@@ -118,28 +123,36 @@ def run(cfg, pre, train):
         prompts = read_prompts(cfg.data)
         stop = StopFlag().install()
         summary = _load_summary(cfg.out)
-        for r in range(cfg.rounds):
-            entry = _entry(summary, r, cfg, len(prompts))
-            if stop and not entry["done"]:
-                return _stopped(stop, r, "between stages")
-            if entry["stage"] == "new":
-                _save_summary(cfg.out, summary)          # the round has begun
-                if not _rollout(cfg, pre, r, prompts, entry, stop, lock):
-                    return _stopped(stop, r, "rollout and scoring")
-                _save_summary(cfg.out, summary)
-            if entry["stage"] == "scored":
-                if stop:
+        stages = make_stages(cfg.stages, train, lock)
+        try:
+            for r in range(cfg.rounds):
+                entry = _entry(summary, r, cfg, len(prompts))
+                if stop and not entry["done"]:
                     return _stopped(stop, r, "between stages")
-                if not _train(cfg, train, r, entry, stop, lock):
-                    return _stopped(stop, r, "training")
-                _save_summary(cfg.out, summary)
-        _print_summary(cfg, summary)
+                if entry["stage"] == "new":
+                    _save_summary(cfg.out, summary)          # the round has begun
+                    t0 = time.time()
+                    if not _rollout(cfg, pre, r, prompts, entry, stop, stages):
+                        return _stopped(stop, r, "rollout and scoring")
+                    entry.setdefault("seconds", {})["rollout"] = round(time.time() - t0, 2)
+                    _save_summary(cfg.out, summary)
+                if entry["stage"] == "scored":
+                    if stop:
+                        return _stopped(stop, r, "between stages")
+                    t0 = time.time()
+                    if not _train(cfg, train, r, entry, stop, stages):
+                        return _stopped(stop, r, "training")
+                    entry.setdefault("seconds", {})["training"] = round(time.time() - t0, 2)
+                    _save_summary(cfg.out, summary)
+        finally:
+            stages.close()
+        _print_summary(cfg, summary, stages.name, time.time() - t_start)
         return 0
     finally:
         lock.release()
 
 
-def _rollout(cfg, pre, r, prompts, entry, stop, lock):
+def _rollout(cfg, pre, r, prompts, entry, stop, stages):
     """Round r's completions by the current student, scored by the teacher into a cache. True when complete."""
     d = _round_dir(cfg.out, r)
     os.makedirs(d, exist_ok=True)
@@ -155,10 +168,7 @@ def _rollout(cfg, pre, r, prompts, entry, stop, lock):
     _write_yaml(os.path.join(d, "precompute.yaml"), stage)
     _say(f"round {r + 1}/{cfg.rounds}: {cfg.prompts_per_round} completions by {stage['generator']}, scored by "
          f"{cfg.teacher}")
-    code = _stage(["precompute", "--config", os.path.join(d, "precompute.yaml")], stop, lock)
-    if code != 0 and not stop.signal:
-        raise KdcacheError(f"round {r + 1}: `kdcache precompute --config {d}/precompute.yaml` failed (exit "
-                           f"{code}; its output is above). Rerun this command to resume.")
+    stages.precompute(os.path.join(d, "precompute.yaml"), stop, f"round {r + 1}")
     if not os.path.isfile(where):      # stopped before it knew where its cache goes
         return False
     with open(where) as f:
@@ -175,7 +185,7 @@ def _rollout(cfg, pre, r, prompts, entry, stop, lock):
     return True
 
 
-def _train(cfg, train, r, entry, stop, lock):
+def _train(cfg, train, r, entry, stop, stages):
     """Round r's training: steps r*N+1 .. (r+1)*N on its cache, continuing the run in DIR. True when done."""
     d, n = _round_dir(cfg.out, r), cfg.steps_per_round
     until = (r + 1) * n
@@ -185,10 +195,7 @@ def _train(cfg, train, r, entry, stop, lock):
         stage.update(mix_cache=cfg.offpolicy_cache, mix_lambda=cfg.lmbda)
     _write_yaml(os.path.join(d, "train.yaml"), stage)
     _say(f"round {r + 1}/{cfg.rounds}: training steps {r * n + 1}-{until} on {entry['cache']}")
-    code = _stage(["train", "--config", os.path.join(d, "train.yaml")], stop, lock)
-    if code != 0 and not stop.signal:
-        raise KdcacheError(f"round {r + 1}: `kdcache train --config {d}/train.yaml` failed (exit {code}; its "
-                           "output is above). Rerun this command to resume.")
+    stages.train(os.path.join(d, "train.yaml"), stop, f"round {r + 1}")
     try:
         with open(os.path.join(cfg.out, "train_summary.json")) as f:
             done = json.load(f)
@@ -220,32 +227,6 @@ def read_prompts(path):
 
 
 # ---------------------------------------------------------------------------- the pieces
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_loop():
-    """In each stage, before exec: SIGTERM when this process dies, kill -9 included (Linux), so a stage never runs
-    on alone: it finishes the shard or step in hand, commits and exits."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-    except (OSError, AttributeError):
-        pass
-
-
-def _stage(args, stop, lock):
-    """Run `kdcache ARGS` in its own session (a terminal's signals reach the loop, which forwards them once) with
-    the run's lock inherited, so a rerun waits for it. Returns its exit status."""
-    proc = subprocess.Popen([sys.executable, "-m", "kdcache", *args], start_new_session=True,
-                            preexec_fn=_die_with_loop, pass_fds=(lock.fd,))
-    sent = False
-    while proc.poll() is None:
-        if stop.signal and not sent:
-            proc.send_signal(stop.signum)
-            sent = True
-        time.sleep(0.2)
-    return proc.returncode
-
-
 def _lock(out):
     """Hold DIR for this run. Held by another live `kdcache onpolicy`: refused. Held only by the stages of one
     that was killed (they inherit the lock and stop after their checkpoint): waited for."""
@@ -294,7 +275,7 @@ RUNTIME = {"progress", "ray_address", "ray_pass_credentials", "workers", "worker
 def _check_same_run(cfg, pre, train):
     """A rerun continues the run in DIR only with its settings (other rounds or steps would be another schedule)."""
     path = os.path.join(cfg.out, CONFIG)
-    now = {"onpolicy": dataclasses.asdict(cfg),
+    now = {"onpolicy": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "stages"},
            "precompute": {k: v for k, v in pre.items() if k not in RUNTIME},
            "train": {k: v for k, v in train.items() if k not in RUNTIME}}
     if os.path.isfile(path):
@@ -345,14 +326,18 @@ def _stopped(stop, r, what):
     return 0
 
 
-def _print_summary(cfg, summary):
+def _print_summary(cfg, summary, stages, wall_s):
     from kdcache.train.metrics import read_metrics
     rows = {r["step"]: r for r in read_metrics(os.path.join(cfg.out, "metrics.jsonl"))}
-    print("\non-policy summary\n  round  teacher tokens  steps        last loss  cache")
+    print("\non-policy summary\n  round  teacher tokens  steps        last loss  rollout s  training s  cache")
     for e in summary["rounds"][:cfg.rounds]:
         last = rows.get((e.get("steps") or [0, 0])[1], {}).get("loss")
+        secs = e.get("seconds") or {}
         print(f"  {e['round']:>5}  {e['teacher_tokens']:>14,}  {str(e['steps']):<11}  "
-              f"{'' if last is None else f'{last:9.4f}':>9}  {e['cache']}")
+              f"{'' if last is None else f'{last:9.4f}':>9}  {secs.get('rollout', ''):>9}  "
+              f"{secs.get('training', ''):>10}  {e['cache']}")
+    print(f"  stages: {stages}; this run's wall time {wall_s:.1f} s (a stage's seconds are those of the run that "
+          "finished it)", flush=True)
     print(f"  final student: {os.path.join(cfg.out, 'final')}", flush=True)
 
 

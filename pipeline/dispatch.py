@@ -206,8 +206,10 @@ class Dispatcher:
 
     POLL_S = 0.05       # how often pump looks at Ray while the scan runs
 
-    def __init__(self, cfg, writer, starter, spec, gpus, todo, n_records, spool, t_start):
+    def __init__(self, cfg, writer, starter, spec, gpus, todo, n_records, spool, t_start, pool=None):
+        """pool: a pipeline.pool.WorkerPool whose Ray (the starter's) and workers outlive this job, else None."""
         self.cfg, self.writer, self.starter, self.spec, self.gpus = cfg, writer, starter, spec, gpus
+        self.pool, self.clean = pool, False
         self.units = deque(sorted(todo))              # still to submit, in order
         self.n_workers = min(cfg.workers, len(todo))
         self.n_records, self.spool, self.reader = n_records, spool, spool.reader()
@@ -264,18 +266,24 @@ class Dispatcher:
         if self._t0 is not None:
             self.stats.loop_s = time.perf_counter() - self._t0    # the last commit: Ray's shutdown is not scoring
         self.stats.stopped = bool(self.flag)
+        self.clean = not self.flag
         return self.stats
 
     def close(self):
-        """Stop the workers and the job's Ray, then give the signals back. Idempotent."""
+        """Stop the workers and the job's Ray (or, from a clean end, hand them back to the pool), then give the
+        signals back. Idempotent."""
         try:
+            if self.pool is not None and self.clean and self.workers:
+                self.pool.keep(self._pool_key(), self.workers, self.groups)
+                self.workers, self.groups = [], []
             for w in self.workers or []:
                 self.ray.kill(w)
             self.workers = []
             for g in self.groups:         # on a cluster of someone else's, the GPUs they held are given back
                 self.ray.util.remove_placement_group(g)
             self.groups = []
-            self.starter.close()      # while our handlers stand: Ray's own SIGTERM handler would exit mid-shutdown
+            if self.pool is None:
+                self.starter.close()  # while our handlers stand: Ray's own SIGTERM handler would exit mid-shutdown
         finally:
             self.flag.restore()
 
@@ -283,20 +291,35 @@ class Dispatcher:
     def _start_workers(self):
         self.ray = self.starter.get()
         _reassert_handlers()
-        self.stats.startup.setdefault("ray_s", round((self.starter.up_at or time.time()) - self.t_start, 2))
+        up = self.starter.up_at or time.time()
+        if up < self.t_start:                      # a pool's Ray, up since an earlier job
+            self.stats.startup["kept"] = True
+        else:
+            self.stats.startup.setdefault("ray_s", round(up - self.t_start, 2))
         self.stats.ray = {"gcs_address": self.ray.get_runtime_context().gcs_address,
                           "own": own_ray(self.cfg.ray_address)}
-        warm, opts = self.starter.prestarted or ([], None)
-        if opts != dict(num_cpus=self.cfg.worker_cpus, num_gpus=self.gpus):
-            warm = []                 # not what settle decided: start afresh (ray.shutdown takes the others)
-        warm, extra = warm[:self.n_workers], warm[self.n_workers:]
-        for w in extra:
-            self.ray.kill(w)
-        fresh, self.groups = start_workers(self.cfg, self.ray, self.spec, self.gpus, self.n_workers - len(warm),
-                                           self.writer.location.remote)
-        self.workers = warm + fresh
+        warm, groups = self.pool.take(self._pool_key(), self.n_workers) if self.pool is not None else ([], [])
+        if warm:
+            self.stats.startup["kept_workers"] = len(warm)
+        if not warm:
+            warm, opts = self.starter.prestarted or ([], None)
+            self.starter.prestarted = None
+            if opts != dict(num_cpus=self.cfg.worker_cpus, num_gpus=self.gpus):
+                warm = []             # not what settle decided: start afresh (ray.shutdown takes the others)
+            warm, extra = warm[:self.n_workers], warm[self.n_workers:]
+            for w in extra:
+                self.ray.kill(w)
+        fresh, more = start_workers(self.cfg, self.ray, self.spec, self.gpus, self.n_workers - len(warm),
+                                    self.writer.location.remote)
+        self.workers, self.groups = warm + fresh, groups + more
         self.starting = {(w.load.remote(self.spec) if i < len(warm) else w.ready.remote()): i
                          for i, w in enumerate(self.workers)}
+
+    def _pool_key(self):
+        """What kept workers must have been started with to serve this job."""
+        c = self.cfg
+        return (c.worker_cpus, self.gpus, c.tensor_parallel_size, c.pipeline_parallel_size,
+                tuple(sorted(cluster_env(c, self.writer.location.remote).items())))
 
     def _next_unit_read(self):
         """Whether every record of the next shard to submit has been read."""

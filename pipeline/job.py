@@ -30,11 +30,16 @@ from .settle import Job, may_start_early, settle
 from .spool import Spool
 
 
-def run_precompute(cfg):
+def run_precompute(cfg, pool=None):
+    """pool: a pipeline.pool.WorkerPool whose Ray and teacher workers serve this job and outlive it (kdcache
+    onpolicy's rounds), else None: the job starts (or joins) Ray and stops its workers at the end."""
     t_start = time.time()
     # Ray and the teacher actors start at once in the background where the job will most likely need them: the
     # driver settles the job and reads the dataset meanwhile. Otherwise they start once there is work for them.
-    starter = RayStarter(cfg.ray_address, prestart_workers(cfg)) if may_start_early(cfg) else None
+    if pool is not None:
+        starter = pool.start(cfg, early=True)
+    else:
+        starter = RayStarter(cfg.ray_address, prestart_workers(cfg)) if may_start_early(cfg) else None
     try:
         job = settle(cfg, t_start)
         cfg = job.cfg                      # with max_length resolved
@@ -54,13 +59,13 @@ def run_precompute(cfg):
         created = not Location(cfg.out).remote and not os.path.exists(cfg.out)
         spool = Spool()
         try:
-            return run_job(job, spool, starter)
+            return run_job(job, spool, starter, pool)
         finally:
             spool.delete()
             if created and os.path.isdir(cfg.out) and not os.path.exists(os.path.join(cfg.out, MANIFEST_NAME)):
                 shutil.rmtree(cfg.out, ignore_errors=True)   # a job stopped before committing anything leaves nothing
     finally:
-        if starter is not None:
+        if starter is not None and pool is None:
             starter.close()
 
 
@@ -165,8 +170,9 @@ def discard_uncommitted(writer):
     loc.remove(MANIFEST_NAME)
 
 
-def run_job(job: Job, spool, starter=None):
-    """starter: Ray starting in the background (RayStarter), else started here once there is work for it."""
+def run_job(job: Job, spool, starter=None, pool=None):
+    """starter: Ray starting in the background (RayStarter), else started here once there is work for it. pool:
+    as run_precompute's."""
     cfg = job.cfg
     n_records = count_rows(cfg.data)
     if n_records == 0:
@@ -198,8 +204,8 @@ def run_job(job: Job, spool, starter=None):
         dispatch = None
         if todo:
             spec = job.worker_spec()
-            starter = starter or RayStarter(cfg.ray_address)
-            dispatch = Dispatcher(cfg, writer, starter, spec, job.gpus, todo, n_records, spool, job.t_start)
+            starter = starter or (pool.start(cfg) if pool is not None else RayStarter(cfg.ray_address))
+            dispatch = Dispatcher(cfg, writer, starter, spec, job.gpus, todo, n_records, spool, job.t_start, pool)
         try:
             try:
                 _, skipped, kinds = scan(cfg, job.encoder, spool, n_records, pump=dispatch and dispatch.pump)

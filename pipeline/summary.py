@@ -77,6 +77,8 @@ def _startup_text(st):
         return ""
     parts = [f"{what} at {st[k]} s" for k, what in (("ray_s", "Ray up"), ("workers_ready_s", "the teacher loaded"),
                                                       ("scan_s", "the dataset read")) if k in st]
+    if st.get("kept_workers"):
+        parts.insert(0, f"Ray and {st['kept_workers']} teacher worker(s) kept from an earlier job")
     return f" (first shard submitted at {st['first_submit_s']} s" + (": " + ", ".join(parts) if parts else "") + ")"
 
 

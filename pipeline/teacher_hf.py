@@ -2,6 +2,8 @@
 
 Also the fallback where vLLM cannot run a model. Meets pipeline.teacher.Teacher.
 """
+import inspect
+
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
@@ -32,6 +34,10 @@ class HFTeacher:
         vocab = self.model.get_output_embeddings().weight.shape[0]
         self.rows = max(16, (96 << 20) // (4 * vocab))
         self.transform = logit_transform(self.model.config)   # soft-capping, scaling: the model's own logits
+        # Decoding needs the last position's logits only: a prefill of [B, L, V] logits is B * L * V floats (2.4 GB
+        # for 66 prompts of 60 tokens at V = 152k). Models whose forward cannot be told so compute them all.
+        self.last_logits = ({"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters
+                            else {})
         # The fused path (decoder, then lm_head on the scored positions only) where it gives the model's own
         # logits; else the model's forward, which builds [B, T, V] logits for every token of the batch.
         self.own_forward = check_head(self.model, self.transform)
@@ -129,7 +135,8 @@ class HFTeacher:
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         past = None
         while any(live):
-            o = self.model(input_ids=x, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
+            o = self.model(input_ids=x, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True,
+                           **self.last_logits)
             past = o.past_key_values
             logits = o.logits[:, -1].float()
             if vocab_limit is not None:

@@ -50,8 +50,15 @@ class TeacherWorker:
             from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     def load(self, spec: WorkerSpec):
+        """Load spec's teacher and generator. A worker kept up for the next job (pipeline/pool.py) keeps its teacher
+        when the spec names the same one; the generator is loaded again every time (in `kdcache onpolicy` it is the
+        student, whose weights change each round at the same path)."""
+        keep = self.teacher is not None and _teacher_of(self.spec) == _teacher_of(spec)
+        self.generator = None                 # the last job's, released before another is loaded
+        if not keep:
+            self.teacher = None
+            self.teacher = make_teacher(spec.teacher_backend, spec.model_path, **spec.teacher_kwargs)
         self.spec = spec
-        self.teacher = make_teacher(spec.teacher_backend, spec.model_path, **spec.teacher_kwargs)
         g = spec.generator
         self.generator = None if g is None else make_teacher(g["backend"], g["model_path"], **g["kwargs"])
         return True
@@ -123,6 +130,10 @@ def _record(s: Sample, sc, draws, behavior) -> Record:
         ids, lps, counts = sampled_rows(sc.ids, sc.logprobs, draws.ids, draws.logprobs)
     return Record(s.sample_id, s.input_ids, s.positions, ids, lps, truncated=s.truncated,
                   target_logprobs=sc.target_logprobs, behavior_logprobs=behavior, sample_counts=counts)
+
+
+def _teacher_of(spec: WorkerSpec | None):
+    return spec and (spec.teacher_backend, spec.model_path, spec.teacher_kwargs)
 
 
 def _retried(teacher) -> int:

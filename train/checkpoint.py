@@ -246,7 +246,17 @@ def load(engine, path, rank):
     if not os.path.isfile(own):
         raise FileNotFoundError(f"{path} was saved with {meta['world_size']} rank(s); rank {rank} has no state "
                                 "there. Resume with the same number of processes.")
-    with open(own) as f:
-        state = json.load(f)
+    state = _rank_state(path, rank)
     set_rng_state(state["rng"])
     return client_state, state["reader"]
+
+
+def restore_rng(path, rank):
+    """Set this rank's RNG to what checkpoint `path` saved (a run carried on in its own process, trainer.next_cache,
+    draws as one resumed from the checkpoint would)."""
+    set_rng_state(_rank_state(path, rank)["rng"])
+
+
+def _rank_state(path, rank):
+    with open(os.path.join(path, f"rank-{rank:05d}.json")) as f:
+        return json.load(f)

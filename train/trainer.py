@@ -58,36 +58,71 @@ class Run:
 
 # ---------------------------------------------------------------------------- the recipe
 def train(cfg):
-    run = setup(cfg)                                      # 1. processes, data, student, engine, resume
+    return train_steps(setup(cfg))
+
+
+def train_steps(run):
+    """Steps from run.step to run.end_step (or a signal, or the data's end), then finish: the loop of a run set up
+    by setup(), or carried on to another cache by next_cache()."""
+    cfg = run.cfg
     metrics = Metrics(cfg.out, enabled=run.rank == 0, resume_step=run.step)
     stop = StopFlag().install()
-    bar = _progress(cfg, run.rank, run.end_step, run.step)
-    batches, checked = run.stream.batches(), not run.fresh_reader
-    resume_cmd = _resume_hint()
-    reason = "finished" if run.end_step == run.total_steps else f"until step {run.end_step}"
-    while run.step < run.end_step:                     # 2. one optimizer step per window of micro-batches
-        window = next_window(run, batches, check_eos=not checked)
-        if window is None:
-            reason = "data exhausted"
-            break
-        checked = True
-        row = optimizer_step(run, *window)
-        if run.step % cfg.log_every == 0 or run.step == run.end_step:
-            metrics.log(row)
-        bar.update(1)
-        bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
-        signalled = stop.signal or (cfg.stop_after and run.step == cfg.stop_after and "stop_after")
-        flag, = all_reduce([1.0 if signalled else 0.0], op="max")     # 3. checkpoint when due or signalled
-        if flag or (cfg.save_every and run.step % cfg.save_every == 0):
-            save(run)
-            if not flag:     # a signal that came during the save stops the run now, not after a step and a save more
-                flag, = all_reduce([1.0 if stop.signal else 0.0], op="max")
-        if flag:
-            reason = f"stopped by {stop.signal or 'stop_after'}"
-            break
-    bar.close()
-    metrics.close()
-    return finish(run, reason, resume_cmd)                # 4. last checkpoint, final model, loss curve
+    try:
+        bar = _progress(cfg, run.rank, run.end_step, run.step)
+        batches, checked = run.stream.batches(), not run.fresh_reader
+        resume_cmd = _resume_hint()
+        reason = "finished" if run.end_step == run.total_steps else f"until step {run.end_step}"
+        while run.step < run.end_step:                     # 2. one optimizer step per window of micro-batches
+            window = next_window(run, batches, check_eos=not checked)
+            if window is None:
+                reason = "data exhausted"
+                break
+            checked = True
+            row = optimizer_step(run, *window)
+            if run.step % cfg.log_every == 0 or run.step == run.end_step:
+                metrics.log(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+            signalled = stop.signal or (cfg.stop_after and run.step == cfg.stop_after and "stop_after")
+            flag, = all_reduce([1.0 if signalled else 0.0], op="max")     # 3. checkpoint when due or signalled
+            if flag or (cfg.save_every and run.step % cfg.save_every == 0):
+                save(run)
+                if not flag:   # a signal that came during the save stops the run now, not after a step and a save more
+                    flag, = all_reduce([1.0 if stop.signal else 0.0], op="max")
+            if flag:
+                reason = f"stopped by {stop.signal or 'stop_after'}"
+                break
+        bar.close()
+        metrics.close()
+        return finish(run, reason, resume_cmd)              # 4. last checkpoint, final model, loss curve
+    finally:
+        stop.restore()
+
+
+def next_cache(run, cfg):
+    """Carry a run that finished its last stage on to cfg's cache, in the same process (`kdcache onpolicy`'s next
+    round): engine, optimizer, schedule and step count stay as they are; the reader starts at the new cache's
+    beginning and the RNG is set to the last checkpoint's, as a resume from that checkpoint with --new-cache would
+    (so a round trained here equals one trained by a `kdcache train` of its own)."""
+    check_inputs(cfg)                                        # rule 2 on every new cache
+    if sampled_completions(load_manifest(cfg.cache)) != run.engine.module.loss_cfg.importance:
+        raise ConfigError(f"cache: {cfg.cache} was generated at another temperature than the run's earlier cache "
+                          "(importance weights on in one, off in the other); train it in a run of its own")
+    done = checkpoint.run_checkpoints(cfg.out)
+    if not done or done[-1][0] != run.step:
+        raise TrainDataError(f"{cfg.out}: no checkpoint of step {run.step} to carry on from")
+    state = run.stream.state_dict()
+    stream = open_stream(cfg, cfg.cache, run.rank, run.world)
+    if cfg.mix_cache:
+        stream = MixedStream(stream, open_stream(cfg, cfg.mix_cache, run.rank, run.world), cfg.mix_lambda, cfg.seed)
+    stream.carry_over(state)
+    checkpoint.restore_rng(done[-1][1], run.rank)
+    run.cfg, run.stream, run.fresh_reader = cfg, stream, True
+    run.end_step = min(cfg.until_step or run.total_steps, run.total_steps)
+    if run.rank == 0:
+        dump(cfg, os.path.join(cfg.out, "train_config.yaml"))
+    run.t_last = time.perf_counter()
+    return run
 
 
 def check_inputs(cfg):
@@ -268,7 +303,9 @@ def finish(run, reason, resume_cmd):
     stops_like_the_teacher(run.engine.module.model, run.tok, stream.cache.manifest)
     save_final(run.engine.module.model, run.tok, final, rank, run.stage)
     if rank == 0:
-        curve = plot_loss_curve(cfg.out)
+        # drawn when the schedule ends (a stage that stops at --until-step leaves it to the last stage: 0.4 s of a
+        # 4 s on-policy round on 2 cores)
+        curve = plot_loss_curve(cfg.out) if run.step >= run.total_steps or reason == "data exhausted" else None
         atomic_write_bytes(os.path.join(cfg.out, "train_summary.json"),
                            json.dumps({"step": run.step, "reason": reason, "final_model": final,
                                        "damaged_shards_skipped": stream.damaged,

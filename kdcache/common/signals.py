@@ -6,6 +6,10 @@ saves it and exits 0, and the same command resumes. With exit_on_second, a secon
 
 A SIGHUP that is ignored when the flag is installed stays ignored: `nohup` sets that, and a run started
 with nohup must survive its terminal closing (the original report: a run lost 19 minutes in to a SIGHUP).
+
+Flags nest: one installed over another passes each signal on to it, and starts set if it is, so `kdcache
+onpolicy`, which runs its stages in its own process, learns of a signal its precompute or training stage stopped
+on, and a stage begun after a signal stops at once.
 """
 import os
 import signal
@@ -26,6 +30,9 @@ class StopFlag:
             if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
                 continue                  # nohup: the user asked for hang-ups to be ignored
             self._old[sig] = signal.signal(sig, self._handle)
+            outer = getattr(self._old[sig], "__self__", None)
+            if isinstance(outer, StopFlag) and outer.signal and not self.signal:   # stopped before this one began
+                self.signal, self.signum = outer.signal, outer.signum
         return self
 
     def restore(self):
@@ -42,6 +49,9 @@ class StopFlag:
             self.signal, self.signum = name, signum
         if self.message:
             print(f"\n{name}: {self.message}", file=sys.stderr)
+        outer = self._old.get(signum)
+        if isinstance(getattr(outer, "__self__", None), StopFlag):   # a flag installed before this one
+            outer(signum, frame)
 
     def __bool__(self):
         return self.signal is not None

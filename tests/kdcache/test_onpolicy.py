@@ -21,10 +21,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.deepspeed, pytest.mark.slow]
 ROUNDS, PROMPTS, STEPS = 2, 4, 6
 
 
-def _command(tmp, tiny, stopping, out, offpolicy=None):
+def _command(tmp, tiny, stopping, out, offpolicy=None, stages="auto"):
     data = write_jsonl(tmp / "prompts.jsonl", tiny["train"][:6])
     mix = ["--offpolicy-cache", offpolicy, "--lambda", 0.5] if offpolicy else []
-    args = [*mix, "--teacher", stopping["sampled"], "--student", tiny["teacher"], "--data", data, "--out", out,
+    args = [*mix, "--stages", stages, "--teacher", stopping["sampled"], "--student", tiny["teacher"], "--data", data, "--out", out,
             "--rounds", ROUNDS, "--prompts-per-round", PROMPTS, "--steps-per-round", STEPS, "--batch-size", 2,
             "--gen-max-new-tokens", 10, "--gen-temperature", 0, "--top-k", 8, "--logprob-dtype", "float32",
             "--backend", "hf", "--shard-size", 2, "--save-every", 1, "--warmup-steps", 2, "--no-progress",
@@ -49,8 +49,9 @@ def _metrics(out):
 
 @pytest.fixture(scope="module")
 def straight(tiny, stopping, tmp_path_factory):
-    """One loop that ran through, half its micro-batches from an off-policy cache (the prompts' own completions,
-    scored by the teacher): (out, tmp dir, off-policy cache)."""
+    """One loop that ran through with each stage a command of its own (--stages fresh), half its micro-batches
+    from an off-policy cache (the prompts' own completions, scored by the teacher): (out, tmp dir, off-policy
+    cache)."""
     from tests.helpers.cli import precompute
     tmp = tmp_path_factory.mktemp("onpolicy")
     data = write_jsonl(tmp / "offpolicy.jsonl", tiny["train"][6:14])
@@ -58,10 +59,10 @@ def straight(tiny, stopping, tmp_path_factory):
                      "--top-k", 8, shared_ray=True)
     assert res.returncode == 0, res.stderr[-3000:]
     out = str(tmp / "run")
-    cmd, env = _command(tmp, tiny, stopping, out, offpolicy=tmp / "offpolicy")
+    cmd, env = _command(tmp, tiny, stopping, out, offpolicy=tmp / "offpolicy", stages="fresh")
     res = _run(cmd, env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "on-policy summary" in res.stdout
+    assert "on-policy summary" in res.stdout and "stages: fresh" in res.stdout
     return out, tmp, str(tmp / "offpolicy")
 
 
@@ -121,13 +122,14 @@ def _wait(predicate, proc, what, timeout=300):
 
 
 def _held_worker(loop, round2_location):
-    """Processes of the loop and of this test process's Ray head (its workers: the head's, or its fork server's)
-    that stopped themselves (KDCACHE_STOP_AT): round 2's teacher worker is returned, any other (round 1's worker, a
-    training stage) is let go on."""
+    """The loop, its processes and those of this test process's Ray head (its workers: the head's, or its fork
+    server's) that stopped themselves (KDCACHE_STOP_AT): the teacher worker that holds round 2's second shard is
+    returned, any other (the loop, or its worker on an earlier shard) is let go on."""
     from tests.helpers.raycluster import shared_head
     head = shared_head()
-    for root in (loop.pid, head.proc.pid) + ((head.forks.pid,) if head.forks else ()):
-        for p in psutil.Process(root).children(recursive=True):
+    roots = (loop.pid, head.proc.pid) + ((head.forks.pid,) if head.forks else ())
+    for root in roots:
+        for p in [psutil.Process(root)] * (root == loop.pid) + psutil.Process(root).children(recursive=True):
             try:
                 if p.status() != psutil.STATUS_STOPPED:
                     continue
@@ -154,44 +156,47 @@ def _committed(path_file):
 
 
 def test_a_loop_killed_in_round_two_and_rerun_equals_one_that_ran_through(straight, tiny, stopping):
-    """kill -9 of the loop and its precompute stage mid-rollout of round 2, then a hang-up mid-training of round 2,
-    then a rerun: every per-step loss and source (round or off-policy cache), each round cache and the final
-    weights equal the uninterrupted run's."""
+    """kill -9 of the loop (its stages kept up in it: Ray's teacher worker and the trainer) mid-rollout of round 2,
+    then a hang-up mid-training of round 2, then a rerun: every per-step loss and source (round or off-policy
+    cache), each round cache and the final weights equal those of the uninterrupted run, whose stages were
+    commands of their own."""
     ref_out, tmp, offpolicy = straight
     out = str(tmp / "killed")
-    cmd, env = _command(tmp, tiny, stopping, out, offpolicy=offpolicy)
+    cmd, env = _command(tmp, tiny, stopping, out, offpolicy=offpolicy, stages="kept")
     round2 = os.path.join(out, "rounds", "round-0002")
-    # 1. kill -9 while round 2's cache has one of its two shards: every process that writes shards or checkpoints
-    # stops itself before its second (KDCACHE_STOP_AT); all go on but round 2's teacher worker, which holds shard 2
-    # while the driver commits shard 1 (however fast the shards are made, the kill lands between them).
-    proc = subprocess.Popen(cmd, cwd=user_project(), env=dict(env, KDCACHE_STOP_AT="before-publish@2"),
+    # 1. kill -9 while round 2's cache has one of its two shards. The teacher worker, kept from round 1, writes
+    # shards 1-2 of round 1 then 1-2 of round 2: it stops itself before its fourth (KDCACHE_STOP_AT), and holds
+    # round 2's second shard while the driver commits the first (however fast the shards are made, the kill lands
+    # between them). The loop stops itself at its own fourth publish too, and is let go on.
+    proc = subprocess.Popen(cmd, cwd=user_project(), env=dict(env, KDCACHE_STOP_AT="before-publish@4"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     worker = _wait(lambda: _held_worker(proc, os.path.join(round2, "cache.txt")), proc, "round 2's second shard")
     _wait(lambda: _committed(os.path.join(round2, "cache.txt")) >= 1, proc, "round 2's first shard")
-    stages = psutil.Process(proc.pid).children()
+    stages = psutil.Process(proc.pid).children(recursive=True)
     proc.kill()
-    for st in stages:
-        os.killpg(st.pid, signal.SIGKILL)
+    for st in stages:                       # none where the stages are kept up in the loop
+        try:
+            st.kill()
+        except psutil.NoSuchProcess:
+            pass
     worker.kill()
     proc.wait()
     assert _committed(os.path.join(round2, "cache.txt")) == 1               # the fault landed mid-rollout
     assert [e["stage"] for e in _summary(out)["rounds"]] == ["trained", "new"]
     # 2. rerun as from a terminal (hang-ups not ignored, even when the suite runs under nohup); a hang-up once
-    # round 2 has trained its first step
+    # round 2 has trained its first step. The loop, which trains in its own process, is frozen as the hang-up is
+    # sent, so that it lands mid-training however fast the remaining steps are.
     proc = subprocess.Popen(cmd, cwd=user_project(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     _wait(lambda: os.path.isfile(os.path.join(out, "metrics.jsonl"))
           and any(r["step"] > STEPS for r in _metrics(out)), proc, "round 2's first step")
-    # The training stage is frozen while the hang-up reaches the loop and the loop forwards it, so that it lands
-    # mid-training however fast the remaining steps are (unfrozen, they once all ran before the loop's forward).
-    stage = psutil.Process(proc.pid).children()[0]
-    os.killpg(stage.pid, signal.SIGSTOP)
+    proc.send_signal(signal.SIGSTOP)
     try:
         assert max(r["step"] for r in _metrics(out)) < 2 * STEPS, "round 2 trained to its end before the fault"
         proc.send_signal(signal.SIGHUP)
-        _wait(lambda: _pending(stage.pid) & (1 << (signal.SIGHUP - 1)), proc, "the loop to forward the hang-up")
+        _wait(lambda: _pending(proc.pid) & (1 << (signal.SIGHUP - 1)), proc, "the hang-up to reach the loop")
     finally:
-        os.killpg(stage.pid, signal.SIGCONT)
+        proc.send_signal(signal.SIGCONT)
     text, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, text[-3000:]
     assert "stopped by SIGHUP in round 2 (training)" in text, text[-3000:]

@@ -58,3 +58,25 @@ def test_an_ignored_sighup_stays_ignored_as_nohup_asks():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=user_project(), env=user_env())
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_a_flag_installed_over_another_passes_signals_on_and_starts_set_if_it_is():
+    """kdcache onpolicy runs its stages in its own process: a signal one of them stops on reaches the loop's flag,
+    and a stage begun after a signal stops at once."""
+    outer = StopFlag().install()
+    try:
+        inner = StopFlag().install()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert inner.signal == "SIGTERM" and outer.signal == "SIGTERM"
+        finally:
+            inner.restore()
+        assert signal.getsignal(signal.SIGTERM) == outer._handle
+        later = StopFlag().install()
+        later.restore()
+        assert later.signal == "SIGTERM"                      # begun after the signal: set from the start
+    finally:
+        outer.restore()
+    fresh = StopFlag().install()                              # no flag under it: starts clear
+    fresh.restore()
+    assert not fresh
