@@ -1,6 +1,7 @@
 """On-policy against off-policy distillation at one teacher-token budget, and against a teacher in the loop.
 
-    .venv/bin/python bench/onpolicy.py [--seeds 3] [--steps 120] [--batch 8] [--rounds 4] [--out runs/bench-onpolicy]
+    .venv/bin/python bench/onpolicy.py [--seeds 3] [--steps 120] [--batch 8] [--rounds 4] [--arms a,b,c]
+                                       [--out runs/bench-onpolicy]
 
 Task (long answers, where a student's own slips lead it astray): read a job posting and, for each required skill in
 order of mention, write the skill and the duty that asks for it ("docker: containerize the services; linux:
@@ -243,6 +244,9 @@ def main():
     ap.add_argument("--sft-steps", type=int, default=60)
     ap.add_argument("--hup-after", type=float, default=20.0)
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-onpolicy"))
+    ap.add_argument("--arms", default="a,b,c", help="the arms to run, e.g. b,c (a timing run of more steps)")
+    ap.add_argument("--tag", default="", help="suffix of this run's seed-N directories and results.json (beside "
+                                              "the default run's, on the same teacher and student)")
     ap.add_argument("--only-sighup", action="store_true", help="only the signal trials (after a full run)")
     ap.add_argument("--signal", choices=["hup", "kill"], default="hup",
                     help="the trials' signal: SIGHUP to the arm's process group, or SIGKILL to its main process")
@@ -256,11 +260,11 @@ def main():
           f"steps x batch {args.batch} per arm, {args.rounds} rounds for (b)", flush=True)
     table = []
     for seed in range(0 if args.only_sighup else args.seeds):
-        work = os.path.join(args.out, f"seed-{seed}")
+        work = os.path.join(args.out, f"seed-{seed}{args.tag}")
         shutil.rmtree(work, ignore_errors=True)
         os.makedirs(work)
-        arms = {"a_offpolicy": arm_offpolicy(info, work, seed, args),
-                "b_onpolicy": arm_onpolicy(info, work, seed, args), "c_trl_gkd": arm_trl(info, work, seed, args)}
+        runs = {"a_offpolicy": arm_offpolicy, "b_onpolicy": arm_onpolicy, "c_trl_gkd": arm_trl}
+        arms = {k: f(info, work, seed, args) for k, f in runs.items() if k[0] in args.arms.split(",")}
         res = evaluate(info, {k: v["model"] for k, v in arms.items()})
         for k, v in arms.items():
             r = res[k]
@@ -275,7 +279,7 @@ def main():
         table.append({"seed": seed, "arm": "student_start", **{k: v for k, v in evaluate(
             info, {"start": info["student"]})["start"].items() if k in ("onpolicy_kl", "exact_match", "stop_rate")}})
     if table:
-        json.dump(table, open(os.path.join(args.out, "results.json"), "w"), indent=1)
+        json.dump(table, open(os.path.join(args.out, f"results{args.tag}.json"), "w"), indent=1)
     print("\n| arm | KL(S‖T) own samples | KL(T‖S) reference | exact match | stop rate | s/step | s/step after "
           "start-up | teacher tokens |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
