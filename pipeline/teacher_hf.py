@@ -36,8 +36,8 @@ class HFTeacher:
         self.transform = logit_transform(self.model.config)   # soft-capping, scaling: the model's own logits
         # Decoding needs the last position's logits only: a prefill of [B, L, V] logits is B * L * V floats (2.4 GB
         # for 66 prompts of 60 tokens at V = 152k). Models whose forward cannot be told so compute them all.
-        self.last_logits = ({"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters
-                            else {})
+        takes = inspect.signature(self.model.forward).parameters
+        self.last_logits = {"logits_to_keep": 1} if "logits_to_keep" in takes else {}
         # The fused path (decoder, then lm_head on the scored positions only) where it gives the model's own
         # logits; else the model's forward, which builds [B, T, V] logits for every token of the batch.
         self.own_forward = check_head(self.model, self.transform)

@@ -54,6 +54,7 @@ class Run:
     fresh_reader: bool = True  # the reader starts at the cache's beginning (not resumed mid-cache)
     t_last: float = 0.0        # when the last step ended (throughput counts data loading too)
     out_lock: object = None    # rank 0's lock on --out (lock_out), held until the process ends
+    stop: StopFlag = None      # installed by setup(): a signal during start-up stops the run before a step
 
 
 # ---------------------------------------------------------------------------- the recipe
@@ -65,14 +66,17 @@ def train_steps(run):
     """Steps from run.step to run.end_step (or a signal, or the data's end), then finish: the loop of a run set up
     by setup(), or carried on to another cache by next_cache()."""
     cfg = run.cfg
-    metrics = Metrics(cfg.out, enabled=run.rank == 0, resume_step=run.step)
-    stop = StopFlag().install()
+    stop, run.stop = run.stop or StopFlag().install(), None
     try:
+        metrics = Metrics(cfg.out, enabled=run.rank == 0, resume_step=run.step)
         bar = _progress(cfg, run.rank, run.end_step, run.step)
         batches, checked = run.stream.batches(), not run.fresh_reader
         resume_cmd = _resume_hint()
         reason = "finished" if run.end_step == run.total_steps else f"until step {run.end_step}"
-        while run.step < run.end_step:                     # 2. one optimizer step per window of micro-batches
+        flag, = all_reduce([1.0 if stop.signal else 0.0], op="max")      # a signal during start-up, on any rank
+        if flag:
+            reason = f"stopped by {stop.signal or 'a signal to another rank'}"
+        while not flag and run.step < run.end_step:        # 2. one optimizer step per window of micro-batches
             window = next_window(run, batches, check_eos=not checked)
             if window is None:
                 reason = "data exhausted"
@@ -90,7 +94,7 @@ def train_steps(run):
                 if not flag:   # a signal that came during the save stops the run now, not after a step and a save more
                     flag, = all_reduce([1.0 if stop.signal else 0.0], op="max")
             if flag:
-                reason = f"stopped by {stop.signal or 'stop_after'}"
+                reason = f"stopped by {stop.signal or ('stop_after' if signalled else 'a signal to another rank')}"
                 break
         bar.close()
         metrics.close()
@@ -174,6 +178,19 @@ def lock_out(cfg):
 
 
 def setup(cfg):
+    """Everything before the first step. A signal meanwhile (start-up takes a minute the first time DeepSpeed
+    builds its extension) is kept: train_steps then stops before its first step, with a checkpoint."""
+    stop = StopFlag().install()
+    try:
+        run = _setup(cfg)
+    except BaseException:
+        stop.restore()
+        raise
+    run.stop = stop
+    return run
+
+
+def _setup(cfg):
     tok = check_inputs(cfg)
     out_lock = lock_out(cfg)
     rank, world = init_distributed()

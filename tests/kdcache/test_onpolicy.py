@@ -24,7 +24,8 @@ ROUNDS, PROMPTS, STEPS = 2, 4, 6
 def _command(tmp, tiny, stopping, out, offpolicy=None, stages="auto"):
     data = write_jsonl(tmp / "prompts.jsonl", tiny["train"][:6])
     mix = ["--offpolicy-cache", offpolicy, "--lambda", 0.5] if offpolicy else []
-    args = [*mix, "--stages", stages, "--teacher", stopping["sampled"], "--student", tiny["teacher"], "--data", data, "--out", out,
+    args = [*mix, "--stages", stages, "--teacher", stopping["sampled"], "--student", tiny["teacher"], "--data", data,
+            "--out", out,
             "--rounds", ROUNDS, "--prompts-per-round", PROMPTS, "--steps-per-round", STEPS, "--batch-size", 2,
             "--gen-max-new-tokens", 10, "--gen-temperature", 0, "--top-k", 8, "--logprob-dtype", "float32",
             "--backend", "hf", "--shard-size", 2, "--save-every", 1, "--warmup-steps", 2, "--no-progress",
@@ -147,6 +148,18 @@ def _pending(pid):
         return next(int(line.split()[1], 16) for line in f if line.startswith("ShdPnd:"))
 
 
+def _stopped(pid):
+    """Every thread of process pid is stopped (SIGSTOP has landed, not only been sent)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            pass                                   # a thread that ended meanwhile
+    return bool(states) and all(s in "Tt" for s in states)
+
+
 def _committed(path_file):
     try:
         with open(path_file) as f:
@@ -192,6 +205,9 @@ def test_a_loop_killed_in_round_two_and_rerun_equals_one_that_ran_through(straig
           and any(r["step"] > STEPS for r in _metrics(out)), proc, "round 2's first step")
     proc.send_signal(signal.SIGSTOP)
     try:
+        # Stopped before the hang-up is sent: sent together, the two are both pending and the kernel delivers the
+        # lower-numbered SIGHUP first, so it never shows as pending (the suite once waited 300 s on that).
+        _wait(lambda: _stopped(proc.pid), proc, "the loop to stop")
         assert max(r["step"] for r in _metrics(out)) < 2 * STEPS, "round 2 trained to its end before the fault"
         proc.send_signal(signal.SIGHUP)
         _wait(lambda: _pending(proc.pid) & (1 << (signal.SIGHUP - 1)), proc, "the hang-up to reach the loop")

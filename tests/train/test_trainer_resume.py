@@ -182,8 +182,9 @@ def test_ranks_die_with_their_launcher_and_a_second_trainer_is_refused(setup, tm
     out = tmp_path / "o"
     proc = launched_two_ranks(setup, out, 400)
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not (out / "metrics.jsonl").exists():
-        time.sleep(0.05)
+    while time.time() < deadline and proc.poll() is None and not (
+            (out / "metrics.jsonl").exists() and open(out / "metrics.jsonl").read().count("\n") >= 1):
+        time.sleep(0.05)                                                # a step logged: the ranks are training
     ranks = pids_training_into(out)
     assert proc.poll() is None and len(ranks) == 2, (ranks, proc.poll())
     second = run(train_cmd(setup, out, "--max-steps", 3, "--batch-size", 2, "--save-every", 0), timeout=300)
@@ -196,7 +197,9 @@ def test_ranks_die_with_their_launcher_and_a_second_trainer_is_refused(setup, tm
         time.sleep(0.2)
     assert not pids_training_into(out), "ranks kept training after their launcher was killed"
     # They stopped as on SIGTERM: a checkpoint of the step they were at, so the same command resumes.
-    assert any(n.startswith("step-") for n in os.listdir(out / "checkpoints"))
+    ranks_said = proc.stdout.read()
+    assert (out / "checkpoints").is_dir() and any(n.startswith("step-") for n in os.listdir(out / "checkpoints")), \
+        ranks_said[-4000:]
 
 
 def test_a_sigterm_during_a_periodic_checkpoint_stops_right_after_it(setup, tmp_path):
@@ -210,3 +213,19 @@ def test_a_sigterm_during_a_periodic_checkpoint_stops_right_after_it(setup, tmp_
     assert [r["step"] for r in losses(out)] == [1, 2, 3, 4]
     assert sorted(n for n in os.listdir(out / "checkpoints") if n.startswith("step-")) == \
         ["step-00000002", "step-00000004"]
+
+
+def test_a_sigterm_during_start_up_stops_both_ranks_before_a_step_and_the_rerun_trains_all(setup, tmp_path):
+    """A signal while the ranks start (DeepSpeed's start-up can take a minute) used to kill the rank by its default
+    action, and its peer failed in the next collective. Now it is kept: both ranks stop before step 1 (the signal
+    reaches rank 0 only, at its last start-up write), save, exit 0, and the same command trains every step."""
+    out = tmp_path / "o"
+    cmd = train_cmd(setup, out, "--max-steps", 4, "--batch-size", 2, "--save-every", 0, "--threads", 1,
+                    "--nproc-per-node", 2)
+    res = run(cmd, env=user_env(KDCACHE_SIGTERM_AT="before-replace-train_config.yaml@1"))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "stopped by SIGTERM at step 0" in res.stdout, res.stdout[-2000:]
+    assert losses(out) == [] and "step-00000000" in " ".join(os.listdir(out / "checkpoints"))
+    res = run(cmd)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert [r["step"] for r in losses(out)] == [1, 2, 3, 4]
