@@ -22,9 +22,12 @@ whole process group, or SIGKILL exactly while a checkpoint is being committed, o
 trainer into the same --out (it must be refused while the first trains on), then rerun until
 finished. The per-step losses must equal the reference's exactly.
 
-On-policy: `kdcache onpolicy` (2 rounds) killed at a moment drawn over a whole uninterrupted run (mid-rollout,
-mid-scoring, mid-training, between stages): kill -9 of the loop and every process under it, SIGTERM to the loop, or
-SIGHUP to its process group; rerun until done. Per-step losses and each round's cache must equal the reference's.
+On-policy: `kdcache onpolicy` (2 rounds) killed at a moment drawn within one of its four stages (round 1 or 2,
+rollout and scoring or training; the stage drawn first, then a point in the reference run's time for it, counted
+from when the trial's summary shows the stage begun): kill -9 of the loop and every process under it, SIGTERM to
+the loop, or SIGHUP to its process group; rerun until done. Per-step losses and each round's cache must equal the
+reference's. (With the stages kept up in the loop, round 1's rollout holds most of a short run's time: Ray, the
+teacher worker and the trainer start there. Moments drawn over the whole run landed there 15 times in 15.)
 
 A trial is counted only if the fault interrupted the job (the cache was incomplete, or training had
 steps left, when the first run ended); the tables say which were.
@@ -442,6 +445,27 @@ def _stage_stage(out):
         return "-"
 
 
+# A round's stage in summary.json while it runs: "new" during rollout and scoring, "scored" during training.
+_RUNNING = {"rollout": "new", "training": "scored"}
+
+
+def _onpolicy_stages(out):
+    """[(round, part, reference seconds)] of a finished run, part "rollout" or "training"."""
+    rounds = json.load(open(os.path.join(out, "summary.json")))["rounds"]
+    return [(r["round"], part, r["seconds"][part]) for r in rounds for part in ("rollout", "training")]
+
+
+def _reached(out, rnd, part):
+    """The run has begun round rnd's part (or is past it)."""
+    try:
+        rounds = json.load(open(os.path.join(out, "summary.json")))["rounds"]
+    except (OSError, ValueError):
+        return False
+    if len(rounds) > rnd or (len(rounds) == rnd and rounds[-1]["stage"] == "trained"):
+        return True
+    return len(rounds) == rnd and (part == "rollout" or rounds[-1]["stage"] != _RUNNING["rollout"])
+
+
 def onpolicy_trials(args, work, teacher, rng):
     """kdcache onpolicy (2 rounds) killed at a moment drawn over a whole uninterrupted run: kill -9 of the loop
     and every process under it, SIGTERM to the loop, or SIGHUP to its process group (a closed terminal); then
@@ -468,14 +492,18 @@ def onpolicy_trials(args, work, teacher, rng):
     if res.returncode or not done:
         sys.exit(f"the reference on-policy run failed (exit {res.returncode}): {res.stdout[-2000:]}"
                  f"{res.stderr[-2000:]}")
-    print(f"on-policy reference run: 2 rounds of 24 prompts and 8 steps, {duration:.1f} s (kill times are drawn in "
-          "it)", flush=True)
+    stages = _onpolicy_stages(ref)
+    print(f"on-policy reference run: 2 rounds of 24 prompts and 8 steps, {duration:.1f} s; its stages (kill moments "
+          "are drawn in them): " + ", ".join(f"round {r} {part} {secs:.1f} s" for r, part, secs in stages), flush=True)
     rows = []
     for i in range(args.trials):
         for kind in [k for k in ONPOLICY_KINDS if f"onpolicy:{k}" in args.kinds]:
-            t = float(rng.uniform(0.03, 0.97)) * duration
+            rnd, part, secs = stages[int(rng.integers(len(stages)))]
+            t = float(rng.uniform(0.03, 0.97)) * secs
             out = os.path.join(work, f"onpolicy-{kind}-{i}")
             proc = start(cmd(out))
+            while proc.poll() is None and not _reached(out, rnd, part):
+                time.sleep(0.02)
             time.sleep(t)
             under = [] if proc.poll() is not None else psutil.Process(proc.pid).children(recursive=True)
             if proc.poll() is None:
@@ -507,7 +535,7 @@ def onpolicy_trials(args, work, teacher, rng):
             for a, b in zip(ref_caches, caches):
                 la, da, fa = compare_caches(a, b)
                 lost, dup, diff = lost + la, dup + da, diff + fa
-            label = f"{kind} at {t:.1f} s of {duration:.0f} s (stopped at {at_stop})"
+            label = f"{kind} {t:.1f} s into round {rnd}'s {part} ({secs:.1f} s) (stopped at {at_stop})"
             row = {"kind": f"onpolicy:{kind}", "trial": label, "interrupted": interrupted, "done": done,
                    "losses_equal": got == want, "lost": lost, "duplicated": dup, "different": diff,
                    "orphans": orphans, "verify": all(verify_cache(c).ok for c in caches)}
