@@ -467,7 +467,7 @@ def _reached(out, rnd, part):
 
 
 def onpolicy_trials(args, work, teacher, rng):
-    """kdcache onpolicy (2 rounds) killed at a moment drawn over a whole uninterrupted run: kill -9 of the loop
+    """kdcache onpolicy (2 rounds) killed at a moment drawn within one of its stages: kill -9 of the loop
     and every process under it, SIGTERM to the loop, or SIGHUP to its process group (a closed terminal); then
     the same command until it completes. Losses per step, round caches and orphans against the reference."""
     import psutil
