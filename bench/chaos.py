@@ -461,9 +461,9 @@ def _reached(out, rnd, part):
         rounds = json.load(open(os.path.join(out, "summary.json")))["rounds"]
     except (OSError, ValueError):
         return False
-    if len(rounds) > rnd or (len(rounds) == rnd and rounds[-1]["stage"] == "trained"):
-        return True
-    return len(rounds) == rnd and (part == "rollout" or rounds[-1]["stage"] != _RUNNING["rollout"])
+    if len(rounds) != rnd:
+        return len(rounds) > rnd
+    return part == "rollout" or rounds[-1]["stage"] != _RUNNING["rollout"]
 
 
 def onpolicy_trials(args, work, teacher, rng):
