@@ -28,7 +28,7 @@ from kdcache.common.signals import StopFlag
 from . import checkpoint
 from .batch import collate
 from .data import CacheStream
-from .extensions import build_guard
+from .extensions import build_guard, skip_cpu_comm_op
 from .metrics import METRICS, Metrics, plot_loss_curve, read_metrics
 from .mix import MixedStream
 from .model import DistillModule, check_tokenizer, load_student, load_tokenizer
@@ -360,15 +360,13 @@ def init_distributed():
 
 
 def load_extensions():
-    """Build or load the comm extension DeepSpeed's init_distributed loads (on CPU: its shared-memory op) under
-    train/extensions.py's guard, before any collective: a build lock that a killed start left behind is cleared
-    instead of making this start sleep on it for ever. Where there is no such op (CUDA), nothing happens."""
-    try:
-        from deepspeed.comm.torch import build_shm_op
-    except ImportError:                   # a DeepSpeed without that op: nothing to build at init
-        return
-    with build_guard(), contextlib.redirect_stdout(sys.stderr):
-        build_shm_op()
+    """Before DeepSpeed's init_distributed: build locks that killed starts left behind are cleared instead of slept
+    on, and on CPU its shared-memory comm op is skipped (train/extensions.py: a 30-70 s build that training never
+    calls)."""
+    with build_guard():
+        pass
+    if not torch.cuda.is_available():
+        skip_cpu_comm_op()
 
 
 def collective_device():

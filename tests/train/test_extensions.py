@@ -53,3 +53,29 @@ def test_a_second_guard_waits_for_the_first(tmp_path):
         order.append("first done")
     t.join(5)
     assert order == ["first done", "second"]
+
+
+def test_deepspeed_skips_its_cpu_comm_op_once_marked():
+    """The op is DeepSpeed's to build unless marked: marked, init_distributed's build_shm_op neither builds nor
+    loads it (tests/train/test_trainer.py checks that a whole run builds nothing)."""
+    import deepspeed.ops
+    from deepspeed.comm.torch import build_shm_op
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    from kdcache.train.extensions import skip_cpu_comm_op
+    assert deepspeed.ops.__compatible_ops__.get(ShareMemCommBuilder.NAME)     # on Linux: it would be built
+    assert skip_cpu_comm_op()
+    assert build_shm_op() is None
+
+
+def test_a_stale_lock_under_torch_extensions_dir_is_removed(tmp_path):
+    """$TORCH_EXTENSIONS_DIR holds each op's directory directly, without the py311_cpu level."""
+    d = tmp_path / "cpu_adam"
+    d.mkdir()
+    lock = d / "lock"
+    lock.write_bytes(b"")
+    old = time.time() - 600
+    for p in (lock, d):
+        os.utime(p, (old, old))
+    with build_guard(str(tmp_path), stale_s=120):
+        assert not lock.exists()
