@@ -60,7 +60,7 @@ def test_concurrent_readers_while_a_precompute_writes(tmp_path, tiny):
     results = []
     try:
         res = precompute("--teacher", tiny["teacher"], "--data", data, "--out", b, "--backend", "hf", "--top-k", 8,
-                         "--shard-size", 2, "--format", "zarr")                       # 20 commits meanwhile
+                         "--shard-size", 2, "--format", "zarr", shared_ray=True)      # 20 commits meanwhile
         # a failed job first, with its own output (the pollers would wait out their timeout for it)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
         results = [q.get(timeout=120) for _ in procs]

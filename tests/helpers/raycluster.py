@@ -20,6 +20,10 @@ import time
 from tests.helpers.s3server import free_port
 
 ENV = {"RAY_AUTH_MODE": "disabled"}          # a throwaway cluster on loopback: no token to share
+# vLLM's engine in the teacher worker's own process, not in one it spawns: a spawned engine imports vLLM again,
+# 11-12 CPU-s per job here. What the tests check (scores, samples, stops) is the engine's either way; vLLM's
+# default layout runs in the jobs with a Ray of their own (tests/pipeline/test_vllm.py) and under `vllm serve`.
+WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 class RayHead:
@@ -38,7 +42,7 @@ class RayHead:
         # Started clean of KDCACHE_* (a test's crash point set when the head starts must not reach every later
         # job's workers): each job passes its own to its workers.
         env = {k: v for k, v in os.environ.items() if not k.startswith("KDCACHE_")}
-        env.update(RAY_ADDRESS="", **ENV)
+        env.update(RAY_ADDRESS="", **ENV, **WORKER_ENV)
         # `ray start --block` in a session of its own: stopping it stops this cluster only (`ray stop` would stop
         # every Ray on the machine, including those of tests running beside this one).
         self.proc = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={self.port}",

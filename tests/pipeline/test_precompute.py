@@ -30,7 +30,7 @@ def mixed(tiny, tmp_path_factory):
     out = d / "cache"
     args = ["--teacher", tiny["teacher"], "--data", data, "--out", out, "--backend", "hf", "--top-k", 16,
             "--shard-size", 3, "--on-bad-record", "skip"]
-    res = precompute(*args)
+    res = precompute(*args, shared_ray=True)
     assert res.returncode == 0, res.stderr
     return {"out": out, "data": data, "args": args, "stdout": res.stdout, "rows": rows}
 
@@ -76,7 +76,7 @@ def test_multi_turn_trains_every_assistant_turn_and_no_user_turn(mixed, tiny):
 
 def test_rerun_is_a_noop_that_says_so(mixed):
     before = (mixed["out"] / "manifest.json").read_text()
-    res = precompute(*mixed["args"])
+    res = precompute(*mixed["args"], shared_ray=True)
     assert res.returncode == 0 and "nothing to do" in res.stdout
     assert (mixed["out"] / "manifest.json").read_text() == before
 

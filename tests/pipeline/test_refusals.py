@@ -29,7 +29,7 @@ def test_an_empty_dataset(tiny, tmp_path):
 def test_a_dataset_whose_records_are_all_skipped(tiny, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", ["{broken", {"messages": [{"role": "user", "content": "hi"}]}])
     res = precompute("--teacher", tiny["teacher"], "--data", data, "--out", tmp_path / "c",
-                     "--on-bad-record", "skip")
+                     "--on-bad-record", "skip", shared_ray=True)
     refused(res, "2 read, all skipped: bad_record: 2", "d.jsonl:1")
 
 

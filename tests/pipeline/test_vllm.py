@@ -42,7 +42,8 @@ def test_generate_mode_vllm_matches_hf_greedy(tiny, stopping, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", tiny["train"][:6])
     vl = precompute("--teacher", stopping["greedy"], "--data", data, "--top-k", 16, "--logprob-dtype", "float32",
                     "--mode", "generate", "--gen-temperature", 0, "--gen-max-new-tokens", 12, "--max-length", 256,
-                    "--backend", "vllm", "--enforce-eager", "--out", tmp_path / "vllm", timeout=600, shared_ray=True)
+                    "--backend", "vllm", "--enforce-eager", "--out", tmp_path / "vllm", timeout=600)
+    # (a Ray of the job's own: vLLM's default layout, its engine in a process of its own; tests/helpers/raycluster.py)
     assert vl.returncode == 0, vl.stderr[-3000:]
     assert open_cache(tmp_path / "vllm").manifest["meta"]["vllm_engine"] == {
         "enforce_eager": True, "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
