@@ -30,7 +30,7 @@ def mixed(tiny, tmp_path_factory):
     out = d / "cache"
     args = ["--teacher", tiny["teacher"], "--data", data, "--out", out, "--backend", "hf", "--top-k", 16,
             "--shard-size", 3, "--on-bad-record", "skip"]
-    res = precompute(*args, shared_ray=True)
+    res = precompute(*args)                      # a Ray of its own (test_existing_ray_cluster_same_code_path)
     assert res.returncode == 0, res.stderr
     return {"out": out, "data": data, "args": args, "stdout": res.stdout, "rows": rows}
 
