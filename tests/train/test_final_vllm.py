@@ -13,6 +13,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 SCRIPT = """
 import json, os, sys
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# The engine in this process (what is checked is its stop, not its layout): a spawned engine imports vLLM again,
+# 25-30 CPU-s of this test here. vLLM's default layout runs in tests/pipeline/test_vllm.py and under `vllm serve`.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
     path, allowed = sys.argv[1], json.loads(sys.argv[2])
