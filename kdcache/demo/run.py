@@ -3,7 +3,8 @@
 1. a built-in tagging task (job posting -> required skills, then end of turn), train and held-out splits;
 2. a tokenizer trained here, ChatML template, `<|im_end|>` = EOS = stop token (Qwen style);
 3. a teacher trained on the task (cached under runs/demo/teacher and reused);
-4. `kdcache precompute` (vLLM backend where it runs) over the train split;
+4. `kdcache precompute` (vLLM backend where it runs) over the train split, in this process (the control's cache
+   reuses the first job's Ray and teacher);
 5. `kdcache train` of a smaller fresh base-style student (EOS <|endoftext|>, no chat template) from the cache
    alone (sft_alpha = 0); its final/ stops at <|im_end|> with stock generate(), like the teacher;
 6. the control: the same with --drop-end-of-turn (the bug other tools shipped);
@@ -95,15 +96,39 @@ def student_config(root, teacher, p):
     return out
 
 
-def run_precompute(root, data_dir, teacher, p, control, teacher_backend):
+def precompute_args(root, data_dir, teacher, p, control, teacher_backend):
     out = os.path.join(root, "cache_no_eos" if control else "cache")
-    args = ["precompute", "--teacher", teacher, "--data", os.path.join(data_dir, "train.jsonl"), "--out", out,
+    args = ["--teacher", teacher, "--data", os.path.join(data_dir, "train.jsonl"), "--out", out,
             "--top-k", p["top_k"], "--shard-size", p["shard_size"], "--backend", teacher_backend, "--max-length", 256,
             "--worker-cpus", 0.5]
     if control:
         args.append("--drop-end-of-turn")
-    kdcache(*args)
-    return out
+    return out, [str(a) for a in args]
+
+
+def run_precomputes(root, data_dir, teacher, p, variants, teacher_backend):
+    """`kdcache precompute` for each cache, in this process on one Ray and one teacher (pipeline/pool.py, as
+    `kdcache onpolicy` keeps them across rounds): the control's job takes the first job's teacher workers instead of
+    starting Ray and loading the teacher again. Returns {control: cache directory}."""
+    from kdcache.common.config import run_command
+    from kdcache.pipeline.cli import DESCRIPTION
+    from kdcache.pipeline.config import PrecomputeConfig
+    from kdcache.pipeline.job import run_precompute
+    from kdcache.pipeline.pool import WorkerPool
+    pool, caches = WorkerPool(), {}
+
+    def job(cfg):
+        run_precompute(cfg, pool=pool)
+
+    try:
+        for control in variants:
+            out, args = precompute_args(root, data_dir, teacher, p, control, teacher_backend)
+            say("$ kdcache precompute " + " ".join(args))
+            run_command("kdcache precompute", DESCRIPTION, PrecomputeConfig, job, args)
+            caches[control] = out
+    finally:
+        pool.close()
+    return caches
 
 
 def run_train(root, cache, student_init, p, control):
@@ -174,7 +199,7 @@ def main(argv=None):
     variants = [False] if args.no_control else [False, True]
     teacher_backend, why = choose_backend(args.backend)
     say(f"teacher backend: {teacher_backend} ({'auto: ' if args.backend == 'auto' else ''}{why})")
-    caches = {c: run_precompute(args.root, data_dir, teacher, p, c, teacher_backend) for c in variants}
+    caches = run_precomputes(args.root, data_dir, teacher, p, variants, teacher_backend)
     if args.stage == "precompute":
         return 0
     init = student_config(args.root, teacher, p)

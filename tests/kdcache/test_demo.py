@@ -21,6 +21,8 @@ def test_quick_demo_chain(tmp_path):
     res = subprocess.run([sys.executable, "-m", "kdcache", "demo", "--quick", "--backend", "hf", "--root", str(root)],
                          cwd=user_project(), env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # The control's cache came from the first job's Ray and teacher worker, not a second start-up.
+    assert "Ray and 1 teacher worker(s) kept from an earlier job" in res.stdout + res.stderr
     for path in ("data/train.jsonl", "data/heldout.jsonl", "teacher/config.json", "teacher/teacher_training.json",
                  "student/final/config.json", "student_no_eos/final/config.json", "report/report.md",
                  "report/lengths.png", "report/loss_curves.png", "report/eval.json"):
