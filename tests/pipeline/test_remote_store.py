@@ -11,6 +11,8 @@ from kdcache.cache_format.store import STORE_MARKER, list_caches
 from tests.helpers.cli import precompute, write_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+# The jobs join this test process's Ray (tests/helpers/raycluster.py): what is checked here is the store, not Ray's
+# start; kill -9 with a Ray of the job's own is tests/pipeline/test_precompute.py's.
 
 
 def test_remote_store_precompute_killed_resumed_then_reused(tiny, tmp_path, bucket):
@@ -21,7 +23,7 @@ def test_remote_store_precompute_killed_resumed_then_reused(tiny, tmp_path, buck
 
     # 1. kill -9 of the driver just before its third manifest PUT (the second shard's commit).
     env = {"KDCACHE_CRASH_AT": "before-replace-manifest.json@3"}
-    res = precompute(*args, "--out", store, "--store", "--alias", "tiny chats", extra_env=env)
+    res = precompute(*args, "--out", store, "--store", "--alias", "tiny chats", extra_env=env, shared_ray=True)
     assert res.returncode == -9, res.stderr[-3000:]
     assert Location(store).exists(STORE_MARKER)
     [entry] = list_caches(store)
@@ -29,7 +31,7 @@ def test_remote_store_precompute_killed_resumed_then_reused(tiny, tmp_path, buck
     url = entry.url
 
     # 2. The same command resumes it: the dead driver's lease is taken over, committed shards kept.
-    res = precompute(*args, "--out", store, "--alias", "tiny chats")          # the marker makes --store implicit
+    res = precompute(*args, "--out", store, "--alias", "tiny chats", shared_ray=True)   # --store implicit: the marker
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"found the cache of these inputs: {url}" in res.stdout
     assert "resuming, 1 of 6 shards already committed" in res.stdout
@@ -43,7 +45,7 @@ def test_remote_store_precompute_killed_resumed_then_reused(tiny, tmp_path, buck
     assert Location(url).read_bytes("manifest.json") == manifest and len(list_caches(store)) == 1
 
     # 4. Token-exact and equal to an uninterrupted run on local disk.
-    res = precompute(*args, "--out", tmp_path / "local")
+    res = precompute(*args, "--out", tmp_path / "local", shared_ray=True)
     assert res.returncode == 0, res.stderr[-3000:]
     remote, local = open_cache(url), open_cache(tmp_path / "local")
     assert remote.manifest["fingerprint"] == local.manifest["fingerprint"]
