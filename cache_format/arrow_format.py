@@ -125,7 +125,7 @@ class Shard:
     def lengths(self):
         """int64 [n]: each sample's token count, from the input_ids column's offsets."""
         try:
-            parts = [np.diff(np.asarray(self._file.get_record_batch(b).column("input_ids").offsets))
+            parts = [np.diff(_numpy(self._file.get_record_batch(b).column("input_ids").offsets))
                      for b in range(len(self._starts) - 1)]
         except (OSError, pa.ArrowInvalid) as e:
             raise ShardError(f"{self.path}: unreadable ({e})") from e
@@ -161,15 +161,36 @@ def _logprob_dtype(sch, meta, version):
     return "float16" if sch.field("topk_logprobs").type.value_type.value_type == pa.float16() else "float32"
 
 
+# Arrow's own to_numpy() goes through its pandas conversion, which imports pandas (0.3 s and ~40 MB in every process
+# that reads a shard, each training rank included); fixed-width arrays without nulls are read from their buffers.
+_NUMPY = {pa.int8(): np.int8, pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(): np.int64,
+          pa.uint8(): np.uint8, pa.uint16(): np.uint16, pa.uint32(): np.uint32, pa.uint64(): np.uint64,
+          pa.float16(): np.float16, pa.float32(): np.float32, pa.float64(): np.float64}
+
+
+def _numpy(arr):
+    """ndarray of a primitive Arrow array: zero-copy (read-only) over its data buffer, bools unpacked; anything
+    else (nulls, other types) through to_numpy."""
+    if arr.null_count == 0 and (arr.type in _NUMPY or pa.types.is_boolean(arr.type)):
+        data = arr.buffers()[1]
+        if data is None:                                   # an empty array may have no buffer
+            return np.zeros(0, bool if pa.types.is_boolean(arr.type) else _NUMPY[arr.type])
+        if pa.types.is_boolean(arr.type):
+            bits = np.unpackbits(np.frombuffer(data, np.uint8), bitorder="little")
+            return bits[arr.offset:arr.offset + len(arr)].astype(bool)
+        return np.frombuffer(data, _NUMPY[arr.type], count=len(arr), offset=arr.offset * arr.type.byte_width)
+    return arr.to_numpy(zero_copy_only=False)
+
+
 def _flat(col):
     """(offsets int64 [n+1] from 0, values ndarray) of a list column, zero-copy where possible."""
-    offsets = np.asarray(col.offsets, dtype=np.int64)
+    offsets = _numpy(col.offsets).astype(np.int64)
     values = col.values.slice(offsets[0], offsets[-1] - offsets[0])
     if pa.types.is_fixed_size_list(values.type):          # format 1's [k] rows
         k = values.type.list_size
-        arr = values.values.slice(values.offset * k, len(values) * k).to_numpy(zero_copy_only=False)
+        arr = _numpy(values.values.slice(values.offset * k, len(values) * k))
     else:
-        arr = values.to_numpy(zero_copy_only=False)
+        arr = _numpy(values)
     return offsets - offsets[0], arr
 
 
@@ -177,8 +198,8 @@ def _columns(batch):
     got = {name: _flat(batch.column(name)) for name, _, _ in COLUMNS + SAMPLED + OPTIONAL
            if name in batch.schema.names}
     return layout.Columns(
-        sample_id=batch.column("sample_id").to_numpy(),
-        truncated=batch.column("truncated").to_numpy(zero_copy_only=False),
+        sample_id=_numpy(batch.column("sample_id")),
+        truncated=_numpy(batch.column("truncated")),
         token_offsets=got["input_ids"][0], position_offsets=got["positions"][0],
         **{name: vals for name, (_, vals) in got.items()})
 
@@ -189,8 +210,8 @@ def _columns_v1(batch, top_k):
                                                           "tail_mass")}
     P = len(got["positions"][1])
     return layout.Columns(
-        sample_id=batch.column("sample_id").to_numpy(),
-        truncated=batch.column("truncated").to_numpy(zero_copy_only=False),
+        sample_id=_numpy(batch.column("sample_id")),
+        truncated=_numpy(batch.column("truncated")),
         token_offsets=got["input_ids"][0], input_ids=got["input_ids"][1], position_offsets=got["positions"][0],
         positions=got["positions"][1], topk_counts=np.full(P, top_k, np.uint16), tail_mass=got["tail_mass"][1],
         target_logprobs=np.full(P, np.nan, np.float32), topk_ids=got["topk_ids"][1],

@@ -55,3 +55,44 @@ def test_empty_shard_round_trips(tmp_path, backend):
 def test_targets_are_next_tokens():
     rec = make_records(1, seed=3)[0]
     np.testing.assert_array_equal(rec.targets, rec.input_ids[rec.positions + 1])
+
+
+def test_arrow_arrays_read_from_their_buffers_equal_to_numpy():
+    """arrow_format._numpy (Arrow's to_numpy imports pandas): the same values as to_numpy for sliced arrays, bools
+    at an offset that is not a multiple of 8, float16, empty arrays; arrays with nulls go through to_numpy."""
+    import pyarrow as pa
+
+    from kdcache.cache_format.arrow_format import _numpy
+    rng = np.random.default_rng(0)
+    cases = [pa.array(rng.integers(-9, 9, 40), pa.int32()), pa.array(rng.integers(0, 255, 40), pa.uint8()),
+             pa.array(rng.normal(size=40), pa.float32()), pa.array(rng.normal(size=40).astype(np.float16)),
+             pa.array(rng.integers(0, 9, 40), pa.int64()), pa.array(rng.random(40) < 0.5)]
+    for arr in cases:
+        for a in (arr, arr.slice(3), arr.slice(11, 17), arr.slice(40)):
+            got = _numpy(a)
+            assert got.dtype == a.to_numpy(zero_copy_only=False).dtype
+            np.testing.assert_array_equal(got, a.to_numpy(zero_copy_only=False))
+    with_null = pa.array([1.0, None, 3.0], pa.float32())
+    np.testing.assert_array_equal(_numpy(with_null), [1.0, np.nan, 3.0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_reader_process_does_not_import_pandas(tmp_path, backend):
+    """Every training rank reads shards: pandas (0.3 s, ~40 MB per process) is not among what that costs."""
+    import json
+    import subprocess
+    import sys
+    recs = make_records(40, seed=3) + make_records(9, seed=4, truncated=True)
+    for i, r in enumerate(recs):
+        r.sample_id = i
+    write_cache(tmp_path, recs, shard_size=16, **writer_kwargs(backend))
+    code = ("import sys, json; from kdcache.cache_format import open_cache\n"
+            f"c = open_cache({str(tmp_path)!r})\n"
+            "rows = [[r.sample_id, bool(r.truncated), len(r.input_ids)] for r in c]\n"
+            "lengths = [int(x) for j in range(c.num_shards) for x in c.shard(j).lengths()]\n"
+            "print(json.dumps({'pandas': 'pandas' in sys.modules, 'rows': rows, 'lengths': lengths}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    got = json.loads(out)
+    assert got["rows"] == [[r.sample_id, bool(r.truncated), len(r.input_ids)] for r in recs]
+    assert got["lengths"] == [len(r.input_ids) for r in recs]
+    assert not got["pandas"]
