@@ -11,8 +11,9 @@ from kdcache.cache_format.store import STORE_MARKER, list_caches
 from tests.helpers.cli import precompute, write_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-# The jobs join this test process's Ray (tests/helpers/raycluster.py): what is checked here is the store, not Ray's
-# start; kill -9 with a Ray of the job's own is tests/pipeline/test_precompute.py's.
+# The jobs that write to the store start a Ray of their own: the workers write the shards, with the S3 server's
+# credentials from the job's environment, which a shared head (tests/helpers/raycluster.py) started before this
+# test's bucket does not have. The local reference joins the shared head.
 
 
 def test_remote_store_precompute_killed_resumed_then_reused(tiny, tmp_path, bucket):
@@ -23,7 +24,7 @@ def test_remote_store_precompute_killed_resumed_then_reused(tiny, tmp_path, buck
 
     # 1. kill -9 of the driver just before its third manifest PUT (the second shard's commit).
     env = {"KDCACHE_CRASH_AT": "before-replace-manifest.json@3"}
-    res = precompute(*args, "--out", store, "--store", "--alias", "tiny chats", extra_env=env, shared_ray=True)
+    res = precompute(*args, "--out", store, "--store", "--alias", "tiny chats", extra_env=env)
     assert res.returncode == -9, res.stderr[-3000:]
     assert Location(store).exists(STORE_MARKER)
     [entry] = list_caches(store)
@@ -31,7 +32,7 @@ def test_remote_store_precompute_killed_resumed_then_reused(tiny, tmp_path, buck
     url = entry.url
 
     # 2. The same command resumes it: the dead driver's lease is taken over, committed shards kept.
-    res = precompute(*args, "--out", store, "--alias", "tiny chats", shared_ray=True)   # --store implicit: the marker
+    res = precompute(*args, "--out", store, "--alias", "tiny chats")          # the marker makes --store implicit
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"found the cache of these inputs: {url}" in res.stdout
     assert "resuming, 1 of 6 shards already committed" in res.stdout
