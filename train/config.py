@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 from kdcache.common.config import ConfigError, field, validate
 
-from .losses import LossConfig, default_chunk
+from .loss_config import LossConfig, default_chunk
 
 
 @dataclass

@@ -7,8 +7,6 @@ B buckets per position (k + 1 in "tail" mode, k in "renorm" mode). Everything is
 from __future__ import annotations
 
 import math
-import numbers
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,61 +14,14 @@ from torch import Tensor
 
 from kdcache.common.errors import ConfigError
 
+# The settings live in a module without torch (`kdcache train --help` and the rank launcher import them).
+from .loss_config import CHUNK_LOGIT_BYTES, OBJECTIVES, LossConfig, default_chunk  # noqa: F401
+
 _NEG_INF = float("-inf")
 # Reverse KL (beta == 1) divides by the teacher, and a teacher bucket can be exactly 0 (tail_mass rounds to 0 when
 # the top-k holds almost everything). There only, teacher log-probs are clamped to >= log(1e-30) so the loss stays
 # finite (at most ~69 nats per unit of student mass on that bucket). Buckets with p >= 1e-30 are untouched.
 TEACHER_LOGP_FLOOR = math.log(1e-30)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-
-
-# One chunk's [chunk, V] float32 logits, at most (the default chunk's bound). Measured at V = 151,936 on CPU
-# (BENCHMARKS.md): chunks of 128 / 256 / 512 / 1024 positions cost 1.72 / 1.35 / 1.23 / 1.20x an SFT step and
-# 0.078 / 0.124 / 0.217 / 0.401x the dense loss's peak memory; 192 MiB (256 there) keeps memory under 0.15x.
-CHUNK_LOGIT_BYTES = 192 * 2**20
-
-
-def default_chunk(vocab_size: int) -> int:
-    """Positions per loss chunk for a vocabulary: the largest power of two whose [chunk, V] float32 logits fit
-    CHUNK_LOGIT_BYTES, within [32, 4096]: 1024 at 32,000, 256 at 151,936, 128 at 262,144. Peak loss memory is about
-    six chunks of logits (the logits, their softmax and gradients) plus the hidden states (BENCHMARKS.md)."""
-    rows = max(1, CHUNK_LOGIT_BYTES // (4 * max(1, int(vocab_size))))
-    return int(min(4096, max(32, 2 ** (rows.bit_length() - 1))))
-
-
-OBJECTIVES = ("gkd", "token-rkl")
-
-
-@dataclass
-class LossConfig:
-    beta: float = 0.0  # 0 forward KL, 1 reverse KL, between: generalized JSD
-    temperature: float = 1.0
-    tail: str = "tail"  # "tail" or "renorm"
-    sft_alpha: float = 0.0
-    chunk_size: int = 1024  # positions per chunk in the chunked loss
-    objective: str = "gkd"  # "gkd" over the cached top-k, or "token-rkl" on the sampled tokens (token_rkl_per_position)
-    importance: bool = True  # token-rkl: weight by p_S / behaviour where behaviour log-probs are given
-
-    def __post_init__(self):
-        checks = [
-            ("objective", self.objective in OBJECTIVES, f"one of {list(OBJECTIVES)}"),
-            ("temperature", self.objective == "gkd" or self.temperature == 1.0,
-             "1 with the token-rkl objective (it scores the sampled tokens at temperature 1)"),
-            ("beta", self.objective == "gkd" or self.beta == 0.0,
-             "0 with the token-rkl objective (it has no mixture; beta is GKD's)"),
-            ("beta", _is_real(self.beta) and 0.0 <= self.beta <= 1.0, "a number in [0, 1]"),
-            ("temperature", _is_real(self.temperature) and self.temperature > 0, "a finite number > 0"),
-            ("tail", self.tail in ("tail", "renorm"), "'tail' or 'renorm'"),
-            ("sft_alpha", _is_real(self.sft_alpha) and self.sft_alpha >= 0, "a finite number >= 0"),
-            ("chunk_size", isinstance(self.chunk_size, numbers.Integral) and not isinstance(self.chunk_size, bool)
-             and self.chunk_size >= 1, "an integer >= 1"),
-        ]
-        for name, ok, need in checks:
-            if not ok:
-                raise ConfigError(f"{name}: must be {need}, got {getattr(self, name)!r}")
 
 
 def _safe_logsumexp(x: Tensor, empty: float) -> Tensor:

@@ -19,3 +19,22 @@ def test_unknown_command_and_help():
     assert kdcache("frobnicate").returncode == 2
     res = kdcache("--help")
     assert res.returncode == 0 and all(c in res.stdout for c in ("precompute", "train", "verify", "gc"))
+
+
+def test_train_settings_and_the_rank_launcher_do_not_import_torch(tmp_path):
+    """What only parses settings (`kdcache train --help`, a TrainConfig and its loss settings, the launcher that
+    starts --nproc-per-node ranks) leaves torch to the ranks: about 2 s per command here."""
+    import subprocess
+    import sys
+    code = ("import contextlib, io, sys\n"
+            "from kdcache.train.cli import main\n"
+            "from kdcache.train import launch\n"
+            "from kdcache.train.config import TrainConfig\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    try:\n        main(['--help'])\n    except SystemExit:\n        pass\n"
+            "cfg = TrainConfig(cache='c', student='s', out='o', beta=0.5)\n"
+            "assert cfg.loss_config(151936).chunk_size == 256 and '--nproc-per-node' in out.getvalue()\n"
+            "print('torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "False"
