@@ -161,7 +161,7 @@ def _logprob_dtype(sch, meta, version):
     return "float16" if sch.field("topk_logprobs").type.value_type.value_type == pa.float16() else "float32"
 
 
-# Arrow's own to_numpy() goes through its pandas conversion, which imports pandas (0.3 s and ~40 MB in every process
+# Arrow's own to_numpy() goes through its pandas conversion, which imports pandas (0.3 s and 50 MB in every process
 # that reads a shard, each training rank included); fixed-width arrays without nulls are read from their buffers.
 _NUMPY = {pa.int8(): np.int8, pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(): np.int64,
           pa.uint8(): np.uint8, pa.uint16(): np.uint16, pa.uint32(): np.uint32, pa.uint64(): np.uint64,

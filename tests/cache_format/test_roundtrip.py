@@ -78,7 +78,7 @@ def test_arrow_arrays_read_from_their_buffers_equal_to_numpy():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_reader_process_does_not_import_pandas(tmp_path, backend):
-    """Every training rank reads shards: pandas (0.3 s, ~40 MB per process) is not among what that costs."""
+    """Every training rank reads shards: pandas (0.3 s, 50 MB per process) is not among what that costs."""
     import json
     import subprocess
     import sys
