@@ -184,7 +184,7 @@ def _numpy(arr):
 
 def _flat(col):
     """(offsets int64 [n+1] from 0, values ndarray) of a list column, zero-copy where possible."""
-    offsets = _numpy(col.offsets).astype(np.int64)
+    offsets = _numpy(col.offsets).astype(np.int64, copy=False)
     values = col.values.slice(offsets[0], offsets[-1] - offsets[0])
     if pa.types.is_fixed_size_list(values.type):          # format 1's [k] rows
         k = values.type.list_size
