@@ -190,8 +190,9 @@ def run_job(job: Job, spool, starter=None, pool=None):
                                "tensor_parallel_size": cfg.tensor_parallel_size,
                                "pipeline_parallel_size": cfg.pipeline_parallel_size}
     if cfg.generator:
+        # stop_ids: where its generations stop on either backend, the teacher's turn ends (teacher_vllm.stop_only_at)
         meta["generator"] = {"model": os.path.basename(os.path.abspath(cfg.generator)),
-                             "backend": job.generator_backend}
+                             "backend": job.generator_backend, "stop_ids": sorted(int(t) for t in job.turn_ends)}
     if job.server:
         meta["teacher_server"] = {"url": cfg.teacher, **job.server, "revision": cfg.teacher_revision}
     writer = CacheWriter(cfg.out, storage=job.storage, vocab_size=job.vocab_size, eos_token_ids=job.turn_ends,

@@ -111,8 +111,8 @@ class VLLMTeacher:
         if vocab_limit is not None and vocab_limit < self.llm.llm_engine.model_config.get_vocab_size():
             allowed = {"allowed_token_ids": list(range(vocab_limit))}
         params = [SamplingParams(max_tokens=int(max_new_tokens[i]), temperature=temperature, top_p=top_p,
-                                 seed=int(seeds[i]), stop_token_ids=[int(t) for t in turn_ends], detokenize=False,
-                                 logprobs=k, flat_logprobs=True, **allowed) for i in todo]
+                                 seed=int(seeds[i]), detokenize=False, logprobs=k, flat_logprobs=True,
+                                 **stop_only_at(turn_ends), **allowed) for i in todo]
         outs = self.llm.generate(_prompts([prompts[i] for i in todo]), params, use_tqdm=False) if todo else []
         res = [([], False, Scored(np.empty((0, k), np.int32), np.empty((0, k), np.float32),
                                   np.empty(0, np.float32))) for _ in prompts]
@@ -126,6 +126,15 @@ class VLLMTeacher:
             res[i] = (new, bool(new) and new[-1] in turn_ends,
                       _topk_from_flat(flat, np.arange(len(new)), np.asarray(new, dtype=np.int64), k))
         return res
+
+
+def stop_only_at(turn_ends) -> dict:
+    """SamplingParams settings that stop a generation at `turn_ends` and nowhere else, as HFTeacher.generate does.
+    Without ignore_eos, vLLM also stops at the model's own EOS and at its generation_config's eos_token_id
+    (SamplingParams.update_from_generation_config): a --generator whose generation_config names other ids than
+    the teacher's turn ends would stop there on vLLM and not on hf, and round 1 of onpolicy would differ by
+    backend. ignore_eos leaves stop_token_ids as given (the manifest's eos_token_ids, both backends' stop set)."""
+    return {"stop_token_ids": sorted(int(t) for t in turn_ends), "ignore_eos": True}
 
 
 def _prompts(seqs):

@@ -29,7 +29,7 @@ def test_a_generator_writes_the_completions_the_teacher_scores_them_and_its_logp
     assert verify_cache(tmp_path / "c").ok
     cache = open_cache(tmp_path / "c")
     m = cache.manifest
-    assert m["meta"]["generator"] == {"model": "teacher", "backend": "hf"}
+    assert m["meta"]["generator"] == {"model": "teacher", "backend": "hf", "stop_ids": m["eos_token_ids"]}
     assert "generator" in m["fingerprint_parts"]["capture"]
     recs = list(cache)
     assert [r.sample_id for r in recs] == list(range(6))
@@ -92,7 +92,8 @@ def test_a_vllm_generator_beside_a_vllm_teacher_keeps_the_logprobs_it_sampled_wi
     assert res.returncode == 0, res.stderr[-3000:]
     assert verify_cache(tmp_path / "c").ok
     cache = open_cache(tmp_path / "c")
-    assert cache.manifest["meta"]["generator"] == {"model": "teacher", "backend": "vllm"}
+    assert cache.manifest["meta"]["generator"] == {"model": "teacher", "backend": "vllm",
+                                                 "stop_ids": cache.manifest["eos_token_ids"]}
     recs = list(cache)
     assert len(recs) == 4
     model = HFTeacher(gen, dtype="float32")

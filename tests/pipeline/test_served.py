@@ -396,7 +396,8 @@ def test_a_generator_in_process_beside_a_served_teacher(served, tiny, tmp_path):
                      tmp_path / "gen", timeout=600, shared_ray=True)
     assert res.returncode == 0, res.stderr[-3000:]
     cache = open_cache(tmp_path / "gen")
-    assert cache.manifest["meta"]["generator"] == {"model": "teacher", "backend": "hf"}
+    assert cache.manifest["meta"]["generator"] == {"model": "teacher", "backend": "hf",
+                                                 "stop_ids": cache.manifest["eos_token_ids"]}
     assert verify_cache(tmp_path / "gen").ok
     recs = list(cache)
     model = HFTeacher(tiny["teacher"], dtype="float32")
