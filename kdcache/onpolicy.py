@@ -108,8 +108,15 @@ def parse(argv):
     cfg = load(OnpolicyConfig, None, {k: v for k, v in values.items() if k in own})
     pre = {k: coerce(PrecomputeConfig, k, v) for k, v in values.items() if k in pre_keys}
     train = {k: coerce(TrainConfig, k, v) for k, v in values.items() if k in train_keys}
-    PrecomputeConfig(**dict(pre, teacher=cfg.teacher, data=cfg.data, out=cfg.out))   # their own checks, now
-    TrainConfig(**dict(train, cache="-", student=cfg.student, out=cfg.out))
+    pre_cfg = PrecomputeConfig(**dict(pre, teacher=cfg.teacher, data=cfg.data, out=cfg.out))   # their own checks
+    train_cfg = TrainConfig(**dict(train, cache="-", student=cfg.student, out=cfg.out))
+    if train_cfg.objective == "token-rkl" and pre_cfg.gen_temperature <= 0:
+        raise ConfigError("objective: token-rkl on greedy rollouts (--gen-temperature 0): a point mass is no "
+                          "distribution to weight by, and the estimate on greedy tokens is not the reverse KL; "
+                          "sample the rollouts (--gen-temperature 1), or use --objective gkd")
+    if train_cfg.objective == "token-rkl" and train_cfg.beta and not cfg.offpolicy_cache:
+        raise ConfigError(f"beta: {train_cfg.beta} with --objective token-rkl and no --offpolicy-cache: beta is the "
+                          "divergence of off-policy (GKD) micro-batches, and this run has none")
     return cfg, pre, train
 
 

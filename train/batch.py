@@ -34,6 +34,8 @@ class Batch:
     #                                                mode with --generator), NaN unknown; None when no record has it
     topk_weights: torch.Tensor | None = None       # float32 (N, k) a sampled cache's estimator weights per entry
     #                                                (sampled_weights); None for a top-k cache
+    objective: str | None = None                   # what this micro-batch trains ("gkd", "token-rkl"), set by the
+    #                                                trainer where a run's caches differ; None: the run's objective
 
     @property
     def n_positions(self):

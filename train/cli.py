@@ -19,7 +19,7 @@ def _launcher_args(p):
 def _run(cfg, argv):
     if cfg.nproc_per_node > 1 and "RANK" not in os.environ:
         from .launch import launch
-        return launch(argv, cfg.nproc_per_node)
+        return launch(argv, cfg.nproc_per_node, cfg.out)
     from .trainer import train
     train(cfg)
 

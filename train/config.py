@@ -94,10 +94,13 @@ class TrainConfig:
         if self.deepspeed not in ("0", "1", "2", "3") and not self.deepspeed.endswith(".json"):
             raise ConfigError(f"deepspeed: {self.deepspeed!r} must be a ZeRO stage 0-3 or a .json config file")
         self.loss_config()    # the loss's own checks: beta, temperature, tail, sft_alpha
+        self.loss_config(objective="gkd")     # --beta of a token-rkl run's GKD micro-batches
 
-    def loss_config(self, vocab_size: int = 32000, importance: bool = True) -> LossConfig:
-        """The loss settings; --loss-chunk 0 resolved for the student's vocabulary. importance: whether token-rkl
-        weights by the behaviour log-probs (not for greedy completions, whose behaviour policy is a point mass)."""
+    def loss_config(self, vocab_size: int = 32000, objective: str | None = None) -> LossConfig:
+        """The loss settings of micro-batches that train `objective` (default: the run's); --loss-chunk 0 resolved
+        for the student's vocabulary. In a token-rkl run, --beta is the divergence of the micro-batches that train
+        GKD (a --mix-cache of off-policy data: train/checks.py objectives); token-rkl itself has no beta."""
+        objective = objective or self.objective
         chunk = self.loss_chunk or default_chunk(vocab_size)
-        return LossConfig(beta=self.beta, temperature=self.temperature, tail=self.tail, sft_alpha=self.sft_alpha,
-                          chunk_size=chunk, objective=self.objective, importance=importance)
+        return LossConfig(beta=self.beta if objective == "gkd" else 0.0, temperature=self.temperature,
+                          tail=self.tail, sft_alpha=self.sft_alpha, chunk_size=chunk, objective=objective)

@@ -6,6 +6,8 @@ and torchrun installs its SIGHUP handler even under `nohup`. This launcher does 
   - SIGHUP stays ignored if it was ignored when it started (nohup), in itself and in every rank;
   - SIGTERM, SIGINT (and a SIGHUP that is not ignored) are forwarded once to every rank, and the
     launcher waits for them to finish the step and the checkpoint, however long that takes;
+  - the lock on --out is taken here, before any rank starts, and inherited by rank 0: a second trainer
+    on the same --out is refused at once;
   - a rank that fails makes the launcher stop the others (SIGTERM, SIGKILL after GRACE_S) and exit
     with the failing rank's status.
 Single node only; for several nodes use torchrun or the DeepSpeed launcher.
@@ -18,7 +20,12 @@ import subprocess
 import sys
 import time
 
-GRACE_S = 600   # a failed rank's peers get this long to exit after SIGTERM before SIGKILL
+from .out_lock import FD_ENV, lock_out
+
+# A failed rank's peers get this long to exit after SIGTERM before SIGKILL. Without the failed rank no
+# collective (a checkpoint's barrier) can complete, and gloo/NCCL report the lost peer within seconds; a peer still
+# past this is stuck (a rendezvous that will never come), and SIGKILL leaves the last complete checkpoint.
+GRACE_S = 20
 
 
 def without_nproc(argv):
@@ -46,8 +53,10 @@ def _die_with_launcher():
         pass
 
 
-def launch(argv, nproc):
-    """Run `kdcache train argv` as nproc ranks on this machine; returns the exit status."""
+def launch(argv, nproc, out):
+    """Run `kdcache train argv` as nproc ranks on this machine, holding the lock on `out` (--out) for them;
+    returns the exit status."""
+    lock = lock_out(out, 0)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -70,8 +79,9 @@ def launch(argv, nproc):
     for sig in handled:                  # before the first rank starts: a signal meanwhile is forwarded too
         signal.signal(sig, forward)
     for r in range(nproc):
-        ranks.append(subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
-                                      preexec_fn=_die_with_launcher))
+        lock_fd = {FD_ENV: str(lock.fd)} if r == 0 else {}
+        ranks.append(subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r), **lock_fd),
+                                      pass_fds=(lock.fd,) if r == 0 else (), preexec_fn=_die_with_launcher))
     for signum, started in list(forwarded.items()):   # came while the ranks started: the later ones get it too
         for p in ranks[started:]:
             p.send_signal(signum)

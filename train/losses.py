@@ -217,14 +217,21 @@ def token_rkl_per_position(logp: Tensor, targets: Tensor, target_logprobs: Tenso
     Each position n holds a token y_n that a behaviour policy mu sampled (the student of a past round). The value
     is w_n * (log S(y_n) - log T(y_n)) with the log-ratio detached and w_n = S(y_n) / mu(y_n) (1 in value when
     S is mu), so the gradient, sum_n w_n (log S(y_n) - log T(y_n)) grad log S(y_n), is the importance-weighted
-    score-function gradient of E_S[log S - log T] (the E_S[grad log S] term is zero). behavior_logprobs None or
-    NaN: mu is the student itself (w_n = 1, gradient kept). Needs only T(y_n): the cache's target log-probs.
+    score-function gradient of E_S[log S - log T] (the E_S[grad log S] term is zero). behavior_logprobs None:
+    the tokens were sampled from this student just now (w_n = 1, gradient kept); given, every entry must be
+    finite: a NaN (a token no policy is known to have drawn) is refused, never read as "the student itself".
+    It estimates the per-token reverse KL of the policy that drew the tokens, not the sequence-level KL.
+    Needs only T(y_n): the cache's target log-probs.
     """
     s = logp.gather(1, targets.long().clamp_min(0)[:, None]).squeeze(1)                  # [N], with grad
     mu = s.detach()
     if behavior_logprobs is not None:
-        b = behavior_logprobs.float()
-        mu = torch.where(torch.isfinite(b), b, mu)
+        mu = behavior_logprobs.float()
+        unknown = int((~torch.isfinite(mu)).sum())
+        if unknown:
+            raise ConfigError(f"objective token-rkl: {unknown} of {mu.numel()} positions have no behaviour "
+                              "log-prob (NaN): their tokens were not sampled by a known policy, so the estimator "
+                              "means nothing there. Train such data with the gkd objective")
     advantage = (s.detach() - target_logprobs.float()).nan_to_num(0.0)
     return torch.exp(s - mu) * advantage
 

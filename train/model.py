@@ -52,16 +52,19 @@ class DistillModule(nn.Module):
     positions across accumulation and ranks.
     """
 
-    def __init__(self, model, loss_cfg: LossConfig, chunked=True, zero3=False):
+    def __init__(self, model, loss_cfg: LossConfig, chunked=True, zero3=False,
+                 by_objective: dict | None = None):
         """chunked: the fused, chunked head + loss (at most one [chunk, V] block of logits at a time). Where
         lm_head plus the known transform is not what the model's forward returns (heads.check_head, asked once
         here, before DeepSpeed partitions anything), the loss takes the model's own logits instead: [R, T, V]
         for every token of the micro-batch, in the model's dtype, plus their gradient.
         zero3: the fused head reads lm_head's weight outside lm_head's forward, where ZeRO-3 holds only this
         rank's partition of it; registered as this module's external parameter, ZeRO-3 gathers it for this
-        forward (and backward) and partitions its gradient as it does any other."""
+        forward (and backward) and partitions its gradient as it does any other.
+        by_objective: {objective: LossConfig} for batches that name their objective (Batch.objective: a token-rkl
+        run's off-policy micro-batches train GKD); a batch that names none trains loss_cfg."""
         super().__init__()
-        self.model, self.loss_cfg = model, loss_cfg
+        self.model, self.loss_cfg, self.by_objective = model, loss_cfg, dict(by_objective or {})
         self.transform = logit_transform(model.config)   # soft-capping, scaling: the model's own logits
         self.own_forward = check_head(model, self.transform)
         if self.own_forward:
@@ -78,12 +81,13 @@ class DistillModule(nn.Module):
                      f"fused head, {loss_cfg.chunk_size} rows at a time" if self.chunked else "dense head logits")
 
     def forward(self, b: Batch):
+        cfg = self.by_objective[b.objective] if b.objective else self.loss_cfg
         # use_cache=False: no KV cache in training, and transformers only detects packed rows without one.
         if self.own_forward:
             out = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
                              use_cache=False).logits                                           # (R, T, V)
             return kd_loss_from_logits(out[b.batch_index, b.positions], b.topk_ids, b.topk_logprobs, b.tail_mass,
-                                       b.targets, self.loss_cfg, b.target_logprobs, b.behavior_logprobs,
+                                       b.targets, cfg, b.target_logprobs, b.behavior_logprobs,
                                        b.topk_weights)
         hidden = decoder_of(self.model)(input_ids=b.input_ids, attention_mask=b.attention_mask,
                                         position_ids=b.position_ids, use_cache=False).last_hidden_state  # (R, T, H)
@@ -91,9 +95,9 @@ class DistillModule(nn.Module):
         head = self.model.get_output_embeddings()
         if self.chunked:
             return chunked_kd_loss(h, head.weight, b.topk_ids, b.topk_logprobs, b.tail_mass, b.targets,
-                                   self.loss_cfg, lm_head_bias=head.bias, logit_transform=self.transform,
+                                   cfg, lm_head_bias=head.bias, logit_transform=self.transform,
                                    target_logprobs=b.target_logprobs, behavior_logprobs=b.behavior_logprobs,
                                    topk_weights=b.topk_weights)
         logits = head(h) if self.transform is None else self.transform(head(h))
-        return kd_loss_from_logits(logits, b.topk_ids, b.topk_logprobs, b.tail_mass, b.targets, self.loss_cfg,
+        return kd_loss_from_logits(logits, b.topk_ids, b.topk_logprobs, b.tail_mass, b.targets, cfg,
                                    b.target_logprobs, b.behavior_logprobs, b.topk_weights)

@@ -4,34 +4,32 @@ Launch: `kdcache train --config FILE` (one process), `kdcache train --nproc-per-
 kdcache's own launcher, train/launch.py, which never cuts a checkpoint short), or several processes with
 `deepspeed --num_gpus N -m kdcache train ...` / `torchrun --nproc_per_node N -m kdcache train ...`.
 """
-import contextlib
 import json
 import math
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from kdcache.cache_format.lock import DirLock
-from kdcache.cache_format.manifest import load_manifest
-from kdcache.cache_format.record import lacks_end_of_turn
-from kdcache.common.atomic import atomic_write_bytes, publish, remove
+from kdcache.common.atomic import atomic_write_bytes
 from kdcache.common.config import dump
 from kdcache.common.env import default_threads
-from kdcache.common.errors import ConfigError, TrainDataError
+from kdcache.common.errors import TrainDataError
 from kdcache.common.signals import StopFlag
 
 from . import checkpoint
 from .batch import collate
+from .checks import check_inputs, check_records, check_token_rkl_records
 from .data import CacheStream
-from .extensions import build_guard, skip_cpu_comm_op
+from .distributed import all_reduce, deepspeed_config, init_distributed
+from .final import save_final, stops_like_the_teacher
+from .loss_config import OBJECTIVES
 from .metrics import METRICS, Metrics, plot_loss_curve, read_metrics
 from .mix import MixedStream
-from .model import DistillModule, check_tokenizer, load_student, load_tokenizer
+from .model import DistillModule, load_student
+from .out_lock import lock_out
 
 
 @dataclass
@@ -53,6 +51,7 @@ class Run:
     mixed_in: int = 0          # micro-batches of the window from --mix-cache
     fresh_reader: bool = True  # the reader starts at the cache's beginning (not resumed mid-cache)
     t_last: float = 0.0        # when the last step ended (throughput counts data loading too)
+    objectives: dict = None    # {"main": ..., "mix": ...}: what each cache's micro-batches train (checks.objectives)
     out_lock: object = None    # rank 0's lock on --out (lock_out), held until the process ends
     stop: StopFlag = None      # installed by setup(): a signal during start-up stops the run before a step
 
@@ -108,10 +107,10 @@ def next_cache(run, cfg):
     round): engine, optimizer, schedule and step count stay as they are; the reader starts at the new cache's
     beginning and the RNG is set to the last checkpoint's, as a resume from that checkpoint with --new-cache would
     (so a round trained here equals one trained by a `kdcache train` of its own)."""
-    check_inputs(cfg)                                        # rule 2 on every new cache
-    if sampled_completions(load_manifest(cfg.cache)) != run.engine.module.loss_cfg.importance:
-        raise ConfigError(f"cache: {cfg.cache} was generated at another temperature than the run's earlier cache "
-                          "(importance weights on in one, off in the other); train it in a run of its own")
+    _, run.objectives = check_inputs(cfg)                    # rule 2 and the objectives, on every new cache
+    for objective in run.objectives.values():                # the loss is stateless: a new objective just joins
+        if objective and objective not in run.engine.module.by_objective:
+            run.engine.module.by_objective[objective] = cfg.loss_config(run.student_vocab, objective=objective)
     done = checkpoint.run_checkpoints(cfg.out)
     if not done or done[-1][0] != run.step:
         raise TrainDataError(f"{cfg.out}: no checkpoint of step {run.step} to carry on from")
@@ -129,54 +128,6 @@ def next_cache(run, cfg):
     return run
 
 
-def check_inputs(cfg):
-    """The cache, the student and its tokenizer, checked before any DeepSpeed start-up (which can take a
-    minute the first time): a wrong path costs seconds. Returns the student's tokenizer."""
-    manifest = load_manifest(cfg.cache)
-    if not os.path.exists(cfg.student):
-        raise ConfigError(f"student: {cfg.student} does not exist (a model directory, or a config.json for a "
-                          "fresh student)")
-    tok = load_tokenizer(cfg)
-    check_tokenizer(tok, manifest, cfg.cache)                       # rule 2: token-exact or refused
-    mix = load_manifest(cfg.mix_cache) if cfg.mix_cache else None
-    if mix is not None:
-        check_tokenizer(tok, mix, cfg.mix_cache)
-    check_sampled(cfg, manifest, mix)
-    return tok
-
-
-def check_sampled(cfg, manifest, mix=None):
-    """Settings a sampled cache (--sample, SPEC.md 4.4) cannot honour, refused by name before any start-up."""
-    if mix is not None and bool(manifest.sample) != bool(mix.sample):
-        raise ConfigError(f"mix_cache: {cfg.mix_cache} is {'' if mix.sample else 'not '}a sampled cache and "
-                          f"{cfg.cache} is {'' if manifest.sample else 'not '}one; their losses differ, so they "
-                          "cannot be mixed in one batch")
-    if not manifest.sample or cfg.objective != "gkd":
-        return
-    if cfg.beta != 0:
-        raise ConfigError(f"beta: {cfg.beta} on the sampled cache {cfg.cache}: reverse KL and JSD need the teacher's "
-                          "log-prob wherever the student puts mass, and a sampled cache holds it only at its drawn "
-                          "ids (no unbiased or consistent estimate exists). Use --beta 0 (forward KL), or a top-k "
-                          "cache")
-    if cfg.tail != "tail":
-        raise ConfigError(f"tail: {cfg.tail!r} on the sampled cache {cfg.cache}: its draws already stand for the "
-                          "whole distribution (no tail bucket to renormalise away); leave --tail at its default")
-
-
-OUT_LOCK = ".train.lock"
-
-
-def lock_out(cfg):
-    """Rank 0 holds a lock on --out for the whole run (the kernel drops it when the process dies, kill -9
-    included): a second trainer started on the same --out is refused, instead of training beside the first and
-    removing its temporary checkpoints."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return None
-    os.makedirs(cfg.out, exist_ok=True)
-    return DirLock(cfg.out, OUT_LOCK, refusal="Another `kdcache train` is training into this --out: wait for it, "
-                   "stop it (its ranks stop with it), or pass another --out.").acquire()
-
-
 def setup(cfg):
     """Everything before the first step. A signal meanwhile (start-up takes a minute the first time DeepSpeed
     builds its extension) is kept: train_steps then stops before its first step, with a checkpoint."""
@@ -191,8 +142,8 @@ def setup(cfg):
 
 
 def _setup(cfg):
-    tok = check_inputs(cfg)
-    out_lock = lock_out(cfg)
+    tok, objs = check_inputs(cfg)
+    out_lock = lock_out(cfg.out, int(os.environ.get("RANK", "0")))
     rank, world = init_distributed()
     import deepspeed
     if not torch.cuda.is_available():
@@ -205,8 +156,8 @@ def _setup(cfg):
     student_vocab = model.get_input_embeddings().weight.shape[0]      # before ZeRO-3 partitions it
     ds_cfg = deepspeed_config(cfg)
     stage = ds_cfg.get("zero_optimization", {}).get("stage", 0)
-    module = DistillModule(model, cfg.loss_config(student_vocab, importance=sampled_completions(stream.cache.manifest)),
-                           zero3=stage == 3)
+    module = DistillModule(model, cfg.loss_config(student_vocab), zero3=stage == 3,
+                           by_objective={o: cfg.loss_config(student_vocab, objective=o) for o in objs.values() if o})
     # One step count for every rank: rank shares differ by a sample, and a rank with an extra step would run a
     # schedule of its own and call collectives the others never join. Counted from the micro-batches the
     # stream really yields (under --max-tokens they hold fewer than --batch-size samples).
@@ -220,7 +171,7 @@ def _setup(cfg):
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg)
     run = Run(cfg, rank, world, stream, tok, engine, scheduler, stage,
               pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
-              student_vocab=student_vocab, total_steps=total_steps, out_lock=out_lock,
+              student_vocab=student_vocab, total_steps=total_steps, objectives=objs, out_lock=out_lock,
               end_step=min(cfg.until_step or total_steps, total_steps))
     ckpt = checkpoint.resolve_resume(cfg.out, cfg.resume)     # engine, optimizer, scheduler, RNG, reader position
     if ckpt:
@@ -256,13 +207,17 @@ def next_window(run, batches, check_eos):
         if nxt is None:
             break
         records, position = nxt
-        run.mixed_in += not getattr(position, "from_main", True)      # a micro-batch of --mix-cache
+        side = "main" if getattr(position, "from_main", True) else "mix"   # "mix": a micro-batch of --mix-cache
+        run.mixed_in += side == "mix"
         if check_eos and not window:
             check_records(records, set(run.stream.cache.eos_token_ids), cfg.require_eos, cfg.cache)
-            if cfg.objective == "token-rkl":
-                check_target_logprobs(records, cfg.cache)
-        window.append(collate(records, pad_id=run.pad_id, student_vocab=run.student_vocab,
-                              pack_len=cfg.max_tokens if cfg.pack else 0))
+        objective = run.objectives[side]
+        if objective == "token-rkl":
+            check_token_rkl_records(records, cfg.cache if side == "main" else cfg.mix_cache)
+        batch = collate(records, pad_id=run.pad_id, student_vocab=run.student_vocab,
+                        pack_len=cfg.max_tokens if cfg.pack else 0)
+        batch.objective = objective
+        window.append(batch)
     have, = all_reduce([1.0 if len(window) == cfg.grad_accum else 0.0], op="min")
     return (window, position) if have else None
 
@@ -275,6 +230,7 @@ def optimizer_step(run, window, position):
     # sum(loss over every position of the step) / n_total.
     scale = run.cfg.grad_accum * run.world / n_total
     sums, grad_norm = [0.0, 0.0, 0.0], None
+    per_objective = {o: [0.0, 0.0] for o in OBJECTIVES}     # positions, KD sum of the micro-batches of each
     for i, b in enumerate(window):
         loss_sum, parts = engine(b.to(engine.device))
         engine.backward(loss_sum * scale)
@@ -282,7 +238,10 @@ def optimizer_step(run, window, position):
             grad_norm = _total_norm(engine.module)
         engine.step()
         sums = [sums[0] + float(loss_sum.detach()), sums[1] + parts["kd"], sums[2] + parts["sft"]]
+        per_objective[b.objective or run.cfg.objective][0] += b.n_positions
+        per_objective[b.objective or run.cfg.objective][1] += parts["kd"]
     loss, kd, sft = (v / n_total for v in all_reduce(sums))
+    by_objective = _by_objective(run, per_objective)
     run.step += 1
     run.stream.position = position
     now = time.perf_counter()
@@ -299,7 +258,19 @@ def optimizer_step(run, window, position):
             "epoch": run.stream.position.epoch, "outside_vocab": int(outside),
             # what the forward passes held, every rank's: rows and tokens with padding (--pack lowers both)
             "rows": int(rows), "batch_tokens": int(computed),
-            **({"mixed_batches": int(all_reduce([float(run.mixed_in)])[0])} if run.cfg.mix_cache else {})}
+            **({"mixed_batches": int(all_reduce([float(run.mixed_in)])[0])} if run.cfg.mix_cache else {}),
+            **by_objective}
+
+
+def _by_objective(run, per_objective):
+    """{"positions_by_objective": {objective: N}, "kd_by_objective": {objective: mean KD}} over every rank, for a
+    run whose caches train different objectives (a token-rkl run's off-policy --mix-cache); {} otherwise."""
+    if len({o for o in run.objectives.values() if o}) < 2:
+        return {}
+    flat = all_reduce([v for o in OBJECTIVES for v in per_objective[o]])
+    n = {o: int(flat[2 * i]) for i, o in enumerate(OBJECTIVES)}
+    return {"positions_by_objective": n,
+            "kd_by_objective": {o: (flat[2 * i + 1] / n[o] if n[o] else None) for i, o in enumerate(OBJECTIVES)}}
 
 
 def finish(run, reason, resume_cmd):
@@ -343,61 +314,6 @@ def finish(run, reason, resume_cmd):
 
 
 # ---------------------------------------------------------------------------- the pieces
-def init_distributed():
-    """Single process without a launcher gets a one-rank world on a free local port."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import deepspeed
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":                 # each rank on its own GPU before NCCL or DeepSpeed touch one
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    load_extensions()
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-
-
-def load_extensions():
-    """Before DeepSpeed's init_distributed: build locks that killed starts left behind are cleared instead of slept
-    on, and on CPU its shared-memory comm op is skipped (train/extensions.py: a 30-70 s build that training never
-    calls)."""
-    with build_guard():
-        pass
-    if not torch.cuda.is_available():
-        skip_cpu_comm_op()
-
-
-def collective_device():
-    """The device a collective's tensors must live on: NCCL refuses CPU tensors ("No backend type associated with
-    device type cpu"), gloo takes them."""
-    import torch.distributed as dist
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def deepspeed_config(cfg):
-    if cfg.deepspeed.endswith(".json"):
-        with open(cfg.deepspeed) as f:
-            ds = json.load(f)
-    else:
-        ds = {"zero_optimization": {"stage": int(cfg.deepspeed)}}
-    ds.setdefault("train_micro_batch_size_per_gpu", cfg.batch_size)
-    ds["gradient_accumulation_steps"] = cfg.grad_accum
-    ds["gradient_clipping"] = cfg.grad_clip
-    ds.setdefault("zero_allow_untested_optimizer", True)
-    ds.setdefault("steps_per_print", 10 ** 9)
-    ds.setdefault("wall_clock_breakdown", False)
-    # bf16 by default on a GPU that has it (fp32 master weights; the loss is computed in float32 either way), fp32
-    # on CPU; never beside a config's own fp16 (DeepSpeed refuses both at once).
-    fp16 = bool(ds.get("fp16", {}).get("enabled", False))
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported() and not fp16:
-        ds.setdefault("bf16", {"enabled": True})
-    return ds
-
-
 def lr_lambda(cfg, total_steps):
     """Linear warmup, then cosine decay to min_lr_ratio * lr."""
     def f(step):
@@ -408,61 +324,11 @@ def lr_lambda(cfg, total_steps):
     return f
 
 
-def all_reduce(values, op="sum"):
-    import torch.distributed as dist
-    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
-    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
-    return t.cpu().tolist()
-
-
-def check_records(records, turn_ends, require_eos, cache_dir):
-    """Every sample has trained positions; the end-of-turn target is among them (unless truncated)."""
-    for rec in records:
-        if len(rec.positions) == 0:
-            raise TrainDataError(f"{cache_dir}: sample {rec.sample_id} has no trained positions")
-        if require_eos and lacks_end_of_turn(rec.targets, rec.truncated, turn_ends):
-            raise TrainDataError(
-                f"{cache_dir}: sample {rec.sample_id} has no position predicting an end-of-turn token "
-                f"{sorted(turn_ends)}; a student trained on this cache will not learn to stop. Pass --no-require-eos "
-                "to train anyway.")
-
-
-def check_target_logprobs(records, cache_dir):
-    """The token-rkl objective needs the teacher's log-prob of every trained target."""
-    for rec in records:
-        lp = rec.target_logprobs
-        if lp is None or not np.isfinite(lp).all():
-            raise TrainDataError(f"{cache_dir}: sample {rec.sample_id} lacks the teacher's log-prob of some targets "
-                                 "(a format-1 cache, or a writer that did not know them); --objective token-rkl "
-                                 "needs them all. Use --objective gkd, or a cache written by kdcache precompute.")
-
-
-def sampled_completions(manifest):
-    """Whether the cache's completions were sampled (generate mode at a temperature > 0), so that its behaviour
-    log-probs are a distribution's and importance weights mean something."""
-    capture = manifest.get("fingerprint_parts", {}).get("capture", {})
-    return float(capture.get("temperature") or 0.0) > 0
-
-
 def save(run):
     import torch.distributed as dist
     checkpoint.save(run.engine, run.cfg.out, run.step, rank=run.rank, world=run.world,
                     client_state={"step": run.step}, rank_state=run.stream.state_dict(), barrier=dist.barrier,
                     keep=run.cfg.keep_checkpoints, order=run.stream.order())
-
-
-def stops_like_the_teacher(model, tok, manifest):
-    """Make the saved student stop where the teacher stops (rule 1 at inference, not only in the loss): its
-    generation config's EOS ids become the cache's end-of-turn ids, and its tokenizer gets the teacher's chat
-    template. A base student's own generation config (EOS <|endoftext|>) would never stop at <|im_end|>, which
-    it has just learned to emit, with stock generate() or vLLM."""
-    eos = sorted(int(t) for t in manifest["eos_token_ids"])
-    model.generation_config.eos_token_id = eos
-    if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    template = manifest.get("meta", {}).get("chat_template")
-    if template:
-        tok.chat_template = template
 
 
 def _untrained(run):
@@ -474,29 +340,6 @@ def _untrained(run):
     left, = all_reduce([max(0, run.stream.samples_per_epoch() * cfg.epochs
                             - run.step * cfg.batch_size * cfg.grad_accum)])
     return int(left)
-
-
-def save_final(model, tok, path, rank, stage):
-    """save_pretrained on rank 0; under ZeRO-3 every rank first gathers the partitioned weights.
-
-    Written into a temp sibling and swapped in whole (publish: fsync, old one aside, replace, old removed):
-    a crash mid-save leaves the previous `final/` or none, never a half-written or mixed one."""
-    gather = contextlib.nullcontext()
-    if stage == 3:
-        import deepspeed
-        gather = deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
-    with gather:
-        if rank == 0:
-            head, tail = os.path.split(os.path.abspath(path))
-            tmp = os.path.join(head, f".{tail}.tmp-{os.getpid()}")
-            remove(tmp)                     # our pid's leftover from an earlier crash, if any
-            try:
-                model.save_pretrained(tmp, safe_serialization=True)
-                tok.save_pretrained(tmp)
-                publish(tmp, path)
-            except BaseException:
-                remove(tmp)
-                raise
 
 
 def _total_norm(module):

@@ -248,6 +248,11 @@ def test_a_rerun_with_other_settings_or_a_bad_student_is_refused(tiny, tmp_path)
         onpolicy.parse(base + ["--beta", "2"])              # the stage's own checks run before any stage starts
     with pytest.raises(SystemExit):
         onpolicy.parse(base + ["--max-steps", "9"])         # the loop sets it: no such flag
+    with pytest.raises(ConfigError, match="token-rkl on greedy rollouts"):
+        onpolicy.parse(base + ["--objective", "token-rkl", "--gen-temperature", "0"])
+    with pytest.raises(ConfigError, match="beta: 1.0 with --objective token-rkl and no --offpolicy-cache"):
+        onpolicy.parse(base + ["--objective", "token-rkl", "--beta", "1"])
+    onpolicy.parse(base + ["--objective", "token-rkl", "--beta", "1", "--offpolicy-cache", str(tmp_path)])
     with pytest.raises(ConfigError, match="not a model directory"):
         onpolicy.main(base[:2] + ["--student", str(tmp_path)] + base[4:])
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kdcache.train import trainer
+from kdcache.train import distributed
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def gloo_group():
 def test_on_nccl_a_collective_gets_the_current_gpu(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    assert trainer.collective_device() == torch.device("cuda", 3)
+    assert distributed.collective_device() == torch.device("cuda", 3)
 
 
 def test_every_all_reduce_argument_is_on_the_collective_device(gloo_group, monkeypatch):
@@ -41,13 +41,13 @@ def test_every_all_reduce_argument_is_on_the_collective_device(gloo_group, monke
             raise RuntimeError("No backend type associated with device type cpu")
         return real_all_reduce(t, op=op)
     real_all_reduce = dist.all_reduce
-    monkeypatch.setattr(trainer, "collective_device", lambda: torch.device("meta"))
-    monkeypatch.setattr(trainer.torch, "tensor", tensor)
+    monkeypatch.setattr(distributed, "collective_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(distributed.torch, "tensor", tensor)
     monkeypatch.setattr(dist, "all_reduce", refusing)
-    assert trainer.all_reduce([2.0, 3.0], op="max") == [2.0, 3.0]
+    assert distributed.all_reduce([2.0, 3.0], op="max") == [2.0, 3.0]
     assert seen == [torch.device("meta")]
 
 
 def test_on_gloo_the_collective_device_is_the_cpu(gloo_group):
-    assert trainer.collective_device() == torch.device("cpu")
-    assert trainer.all_reduce([1.5], op="min") == [1.5]
+    assert distributed.collective_device() == torch.device("cpu")
+    assert distributed.all_reduce([1.5], op="min") == [1.5]

