@@ -25,7 +25,8 @@ from kdcache.common.errors import BadRow, DataError, SkipSample
 
 from . import summary as report
 from .data import cache_records, is_cache, iter_rows, jsonl_lines, open_source_cache, parse_row
-from .dispatch import Dispatcher, RayStarter, RunStats, prestart_workers
+from .dispatch import Dispatcher, RunStats, prestart_workers
+from .ray_start import RayStarter
 from .settle import Job, may_start_early, settle
 from .spool import Spool
 

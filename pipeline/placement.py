@@ -13,13 +13,14 @@ from kdcache.common.errors import ConfigError
 PLACEMENT_TIMEOUT_S = 60.0       # a group that cannot be placed by then: the cluster lacks what it needs
 
 
-def visible_gpus(cfg) -> int:
-    """GPUs the job can use: the named cluster's, else this machine's CUDA devices."""
+def gpus_by_node(cfg) -> list:
+    """GPUs of each node the job can use: the named cluster's live nodes, else this machine's CUDA devices."""
     if cfg.ray_address:
-        from .dispatch import start_ray
-        return int(start_ray(cfg.ray_address).cluster_resources().get("GPU", 0))
+        from .ray_start import start_ray
+        nodes = start_ray(cfg.ray_address).nodes()
+        return [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes if n.get("Alive", True)]
     import torch
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [torch.cuda.device_count() if torch.cuda.is_available() else 0]
 
 
 def gpus_per_worker(cfg) -> int:
@@ -28,16 +29,19 @@ def gpus_per_worker(cfg) -> int:
 
 
 def resolve_workers(cfg, gpus=None) -> int:
-    """--workers, else GPUs / (TP x PP) where GPUs are visible (a local teacher), else 1."""
+    """--workers, else the workers of TP x PP GPUs each that fit on the nodes (`gpus`: GPUs of each node, or
+    all of them as one number), else 1."""
     if cfg.workers is not None:
         return cfg.workers
-    gpus = visible_gpus(cfg) if gpus is None else gpus
-    return max(1, gpus // gpus_per_worker(cfg)) if gpus else 1
+    per_node = gpus_by_node(cfg) if gpus is None else gpus if isinstance(gpus, list) else [gpus]
+    return max(1, sum(g // gpus_per_worker(cfg) for g in per_node))
 
 
-def check_tensor_parallel(cfg, backend, model_config, gpus, workers):
+def check_tensor_parallel(cfg, backend, model_config, gpus, workers, per_node=None):
     """Refuse, naming the setting, what cannot run: TP or PP > 1 off the vLLM backend, TP that does not divide the
-    teacher's attention (or key-value) heads, more pipeline stages than layers, fewer GPUs than workers x TP x PP."""
+    teacher's attention (or key-value) heads, more pipeline stages than layers, fewer GPUs than workers x TP x PP,
+    or, with per_node (GPUs of each node), workers whose TP x PP GPUs do not fit on one node each (a worker's
+    placement group is STRICT_PACK: TP 8 on two nodes of 4 GPUs would wait out PLACEMENT_TIMEOUT_S, then fail)."""
     n, pp = cfg.tensor_parallel_size, getattr(cfg, "pipeline_parallel_size", 1)
     if n == 1 and pp == 1:
         return
@@ -58,6 +62,15 @@ def check_tensor_parallel(cfg, backend, model_config, gpus, workers):
         raise ConfigError(f"tensor_parallel_size: {workers} worker(s) x {what} need {workers * each} GPUs; "
                           f"{gpus} are visible (pass --workers {max(1, gpus // each)} or a smaller "
                           "--tensor-parallel-size or --pipeline-parallel-size)")
+    fit = sum(g // each for g in per_node) if per_node is not None else workers
+    if workers > fit:
+        what = f"{n} GPUs" if pp == 1 else f"{n} x {pp} GPUs"
+        raise ConfigError(f"tensor_parallel_size: each worker's {what} must be on one node, and the nodes have "
+                          f"{sorted(per_node, reverse=True)} GPUs: room for {fit} such worker(s), not {workers} "
+                          f"(pass --workers {fit} or a --tensor-parallel-size that fits a node)" if fit else
+                          f"tensor_parallel_size: each worker's {what} must be on one node, and no node has "
+                          f"{each} (the nodes have {sorted(per_node, reverse=True)} GPUs); pass a "
+                          "--tensor-parallel-size that fits a node")
 
 
 def worker_options(ray, cfg, gpus, n):

@@ -8,7 +8,8 @@ back and sends them its spec (TeacherWorker.load keeps a teacher that is the sam
 Workers go back to the pool only from a job that ended without error or signal; any other end kills them, so a
 worker in an unknown state never serves a later job. close() stops them and the Ray the pool started.
 """
-from .dispatch import RayStarter, own_ray, prestart_workers
+from .dispatch import prestart_workers
+from .ray_start import RayStarter, own_ray
 from .settle import may_start_early
 from .teacher import is_url
 

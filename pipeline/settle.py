@@ -20,9 +20,10 @@ from kdcache.common.env import default_threads
 from kdcache.common.errors import ConfigError, DataError
 
 from .data import is_cache, open_source_cache
-from .dispatch import own_ray, worker_gpus
+from .dispatch import worker_gpus
 from .encode import MAX_MESSAGES, Encoder, document_end_id, end_of_turn_ids
-from .placement import check_tensor_parallel, gpus_per_worker, resolve_workers, visible_gpus
+from .placement import check_tensor_parallel, gpus_by_node, gpus_per_worker, resolve_workers
+from .ray_start import own_ray
 from .teacher import choose_backend, is_url
 from .versions import SERVED_MIN, VLLM_MIN, installed_vllm, require
 from .worker import WorkerSpec
@@ -262,9 +263,9 @@ def settle(cfg, t_start) -> Job:
     encoder, ends = _encoder(cfg, tok, server)
     gpus = max(cfg.worker_gpus, 0.0) if server else worker_gpus(cfg)     # a server's GPUs are its own
     if server is None and (cfg.workers is None or gpus_per_worker(cfg) > 1):
-        n_gpus = visible_gpus(cfg)
-        cfg = replace(cfg, workers=resolve_workers(cfg, n_gpus))
-        check_tensor_parallel(cfg, backend, model_config, n_gpus, cfg.workers)
+        per_node = gpus_by_node(cfg)
+        cfg = replace(cfg, workers=resolve_workers(cfg, per_node))
+        check_tensor_parallel(cfg, backend, model_config, sum(per_node), cfg.workers, per_node)
     elif gpus_per_worker(cfg) > 1:
         check_tensor_parallel(cfg, backend, model_config, 0, cfg.workers or 1)   # refused: not the vLLM backend
     cfg = replace(cfg, workers=cfg.workers or 1)

@@ -3,6 +3,7 @@
 Runs as a Ray actor; each worker is the only writer of the shards it is
 given. It returns the shard's manifest entry; the driver commits it.
 """
+import os
 import time
 from dataclasses import dataclass
 
@@ -53,6 +54,7 @@ class TeacherWorker:
         """Load spec's teacher and generator. A worker kept up for the next job (pipeline/pool.py) keeps its teacher
         when the spec names the same one; the generator is loaded again every time (in `kdcache onpolicy` it is the
         student, whose weights change each round at the same path)."""
+        unblank_cuda_devices(spec.teacher_kwargs)
         keep = self.teacher is not None and _teacher_of(self.spec) == _teacher_of(spec)
         self.generator = None                 # the last job's, released before another is loaded
         if not keep:
@@ -130,6 +132,17 @@ def _record(s: Sample, sc, draws, behavior) -> Record:
         ids, lps, counts = sampled_rows(sc.ids, sc.logprobs, draws.ids, draws.logprobs)
     return Record(s.sample_id, s.input_ids, s.positions, ids, lps, truncated=s.truncated,
                   target_logprobs=sc.target_logprobs, behavior_logprobs=behavior, sample_counts=counts)
+
+
+def unblank_cuda_devices(teacher_kwargs: dict, environ=os.environ) -> bool:
+    """A tensor- or pipeline-parallel worker takes no GPU itself (its vLLM workers take the placement group's), and
+    Ray versions in the allowed range set CUDA_VISIBLE_DEVICES="" in such an actor: vLLM would then see no GPU at
+    all. The blank value is removed there (the placement group decides the devices). True when it was."""
+    parallel = int(teacher_kwargs.get("tensor_parallel_size", 1)) * int(teacher_kwargs.get("pipeline_parallel_size", 1))
+    if parallel > 1 and environ.get("CUDA_VISIBLE_DEVICES") == "":
+        del environ["CUDA_VISIBLE_DEVICES"]
+        return True
+    return False
 
 
 def _teacher_of(spec: WorkerSpec | None):

@@ -36,6 +36,27 @@ def test_what_cannot_run_is_refused_naming_the_setting():
         check_tensor_parallel(_cfg(tensor_parallel_size=4), "vllm", kv1, 4, 2)
 
 
+def test_a_worker_s_gpus_must_fit_on_one_node_not_only_in_the_cluster():
+    """TP 8 on two nodes of 4 GPUs: 8 GPUs in the cluster, none on one node (issue 42, item 15); it used to pass
+    the check and fail after the placement group's 60 s timeout."""
+    conf = SimpleNamespace(num_attention_heads=16, num_key_value_heads=8)
+    with pytest.raises(ConfigError, match=r"no node has 8 \(the nodes have \[4, 4\] GPUs\)"):
+        check_tensor_parallel(_cfg(tensor_parallel_size=8), "vllm", conf, 8, 1, per_node=[4, 4])
+    check_tensor_parallel(_cfg(tensor_parallel_size=8), "vllm", conf, 8, 1, per_node=[8])
+    with pytest.raises(ConfigError, match=r"room for 2 such worker\(s\), not 3 \(pass --workers 2"):
+        check_tensor_parallel(_cfg(tensor_parallel_size=4), "vllm", conf, 12, 3, per_node=[6, 6])
+    assert resolve_workers(_cfg(tensor_parallel_size=4), gpus=[6, 6]) == 2      # not 12 // 4 = 3
+
+
+def test_a_parallel_worker_unblanks_the_cuda_devices_ray_blanked():
+    from kdcache.pipeline.worker import unblank_cuda_devices
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    assert not unblank_cuda_devices({"tensor_parallel_size": 1}, env) and env == {"CUDA_VISIBLE_DEVICES": ""}
+    assert unblank_cuda_devices({"tensor_parallel_size": 2}, env) and env == {}
+    env = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert not unblank_cuda_devices({"pipeline_parallel_size": 2}, env) and env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+
+
 def test_pipeline_parallel_multiplies_the_gpus_of_a_worker_and_is_checked_against_the_layers():
     assert resolve_workers(_cfg(tensor_parallel_size=2, pipeline_parallel_size=2), gpus=8) == 2
     assert placement.gpus_per_worker(_cfg(tensor_parallel_size=2, pipeline_parallel_size=3)) == 6
