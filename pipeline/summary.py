@@ -7,14 +7,13 @@ from collections import Counter
 from kdcache.cache_format.location import Location
 from kdcache.cache_format.manifest import fidelity_text, teacher_ce_text
 from kdcache.common.config import dumps
+from kdcache.common.progress import bar
 
 REPORT_DIR = "report"
 
 
 def progress(cfg, total, initial):
-    from tqdm import tqdm
-    return tqdm(total=total, initial=initial, unit="sample", desc="precompute", disable=not cfg.progress,
-                dynamic_ncols=True)
+    return bar(total=total, initial=initial, unit="sample", desc="precompute", disable=not cfg.progress)
 
 
 def save_reports(cfg, skipped):

@@ -17,6 +17,7 @@ from kdcache.common.atomic import atomic_write_bytes
 from kdcache.common.config import dump
 from kdcache.common.env import default_threads
 from kdcache.common.errors import TrainDataError
+from kdcache.common.progress import bar
 from kdcache.common.signals import StopFlag
 
 from . import checkpoint
@@ -373,6 +374,5 @@ def _resume_hint():
 
 
 def _progress(cfg, rank, total, initial):
-    from tqdm import tqdm
-    return tqdm(total=total, initial=initial, unit="step", desc="train", dynamic_ncols=True,
-                disable=rank != 0 or not cfg.progress)
+    return bar(total=total, initial=initial, unit="step", desc="train",
+               disable=rank != 0 or not cfg.progress)
