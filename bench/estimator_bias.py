@@ -56,7 +56,8 @@ def sampled_estimate(t_lp, s_logits, tau, m, n, seed):
 
 def sampled_table(args):
     print("## 1. Sampled cache: tempered forward KL, estimate vs exact (mean over cache draws)\n")
-    print("| teacher scale | top-8 mass | tau | --top-k M | --sample N | exact | estimate | value bias | gradient error |")
+    print("| teacher scale | top-8 mass | tau | --top-k M | --sample N | exact | estimate | value bias "
+          "| gradient error |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for scale, tau, m, n in [(2.5, 1.0, 0, 12), (2.5, 2.0, 0, 12), (2.5, 2.0, 8, 16), (2.5, 2.0, 0, 64),
                              (2.5, 0.5, 0, 12), (6.0, 1.0, 0, 12), (6.0, 2.0, 0, 12), (6.0, 2.0, 8, 16)]:

@@ -18,4 +18,4 @@ def test_a_bar_written_to_a_log_file_updates_seldom(tmp_path):
     assert "400/400" in text                                   # the end is still written
     assert len(text.splitlines()) <= 5, len(text.splitlines())  # start, end: not 400 updates
     loose = _bar_bytes(tmp_path, "loose", "progress.LOG_INTERVAL_S = 0.0\n")
-    assert len(loose.splitlines()) > 20                             # what an unthrottled bar writes (the check can fail)
+    assert len(loose.splitlines()) > 20        # what an unthrottled bar writes (the check can fail)
