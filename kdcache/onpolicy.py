@@ -279,21 +279,57 @@ RUNTIME = {"progress", "ray_address", "ray_pass_credentials", "workers", "worker
            "max_in_flight", "requests_in_flight", "prefetch", "log_every", "save_every", "keep_checkpoints"}
 
 
+PATHS = {"teacher", "student", "data", "out", "store", "offpolicy_cache", "tokenizer"}   # compared absolute
+
+
+def _defaults(cls) -> dict:
+    out = {}
+    for f in dataclasses.fields(cls):
+        out[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return out
+
+
+def _resolved(part, values) -> dict:
+    """A part's settings as they act: defaults filled in (an explicit `--seed 0` is the default, not a change),
+    paths absolute (a relative --out is the same directory), runtime-only keys left out."""
+    base = {"precompute": _defaults(PrecomputeConfig), "train": _defaults(TrainConfig)}.get(part, {})
+    merged = {**base, **values}
+    return {k: (os.path.abspath(v) if k in PATHS and isinstance(v, str) and "://" not in v else v)
+            for k, v in merged.items() if k not in RUNTIME}
+
+
+def _work_done(out) -> bool:
+    """Whether any round in `out` has begun its work (a cache started, a stage done): before that a rerun may
+    change the settings (a first run that failed on a bad flag must not lock them in)."""
+    summary = _load_summary(out)
+    if any(e.get("stage") != "new" or e.get("cache") for e in summary.get("rounds", [])):
+        return True
+    rounds = os.path.join(out, "rounds")
+    return os.path.isdir(rounds) and any(os.path.isfile(os.path.join(rounds, d, "cache.txt"))
+                                         for d in os.listdir(rounds))
+
+
 def _check_same_run(cfg, pre, train):
-    """A rerun continues the run in DIR only with its settings (other rounds or steps would be another schedule)."""
+    """A rerun continues the run in DIR only with its settings (other rounds or steps would be another schedule),
+    and on the same prompts: the prompt file is fingerprinted by content (an edit at the same path is a change)."""
+    from kdcache.cache_format.fingerprint import hash_tree
     path = os.path.join(cfg.out, CONFIG)
-    now = {"onpolicy": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "stages"},
+    now = {"onpolicy": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k != "stages"},
+                        "data_sha256": hash_tree(cfg.data)},
            "precompute": {k: v for k, v in pre.items() if k not in RUNTIME},
            "train": {k: v for k, v in train.items() if k not in RUNTIME}}
-    if os.path.isfile(path):
+    if os.path.isfile(path) and _work_done(cfg.out):
         with open(path) as f:
             before = yaml.safe_load(f) or {}
-        differ = [f"{part}.{k}: {before.get(part, {}).get(k)!r} then, {now[part].get(k)!r} now"
-                  for part in now for k in sorted(set(now[part]) | set(before.get(part, {})))
-                  if now[part].get(k) != before.get(part, {}).get(k)]
+        if "data_sha256" not in before.get("onpolicy", {}):      # written before prompts were fingerprinted
+            now["onpolicy"].pop("data_sha256")
+        a = {part: _resolved(part, before.get(part, {})) for part in now}
+        b = {part: _resolved(part, now[part]) for part in now}
+        differ = [f"{part}.{k}: {a[part].get(k)!r} then, {b[part].get(k)!r} now"
+                  for part in now for k in sorted(set(a[part]) | set(b[part])) if a[part].get(k) != b[part].get(k)]
         if differ:
             raise ConfigError(f"{cfg.out} holds an on-policy run with other settings ({'; '.join(differ)}). Rerun "
-                              "with the same settings to resume it, or pass another --out.")
+                              "with the same settings (and prompts) to resume it, or pass another --out.")
         return
     atomic_write_bytes(path, yaml.safe_dump(now, sort_keys=True).encode())
 
