@@ -202,10 +202,13 @@ def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, k
         shutil.rmtree(tmp, ignore_errors=True)      # left by a crash during an earlier save
         os.makedirs(tmp)
     barrier()
-    engine.save_checkpoint(tmp, tag=TAG, client_state=client_state)
-    # Per-rank state: RNG (python/numpy/torch) and the reader's position, as JSON.
-    atomic_write_bytes(os.path.join(tmp, f"rank-{rank:05d}.json"),
-                       json.dumps({"rng": rng_state(), "reader": rank_state}).encode())
+    try:
+        engine.save_checkpoint(tmp, tag=TAG, client_state=client_state)
+        # Per-rank state: RNG (python/numpy/torch) and the reader's position, as JSON.
+        atomic_write_bytes(os.path.join(tmp, f"rank-{rank:05d}.json"),
+                           json.dumps({"rng": rng_state(), "reader": rank_state}).encode())
+    except (OSError, RuntimeError) as e:        # torch reports a full disk as "file write failed", no path
+        raise TrainDataError(write_failure(out, tmp, step, e)) from e
     barrier()
     if rank == 0:
         run_id = read_run_id(out)
@@ -227,6 +230,26 @@ def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, k
         _prune(out, run_id, step, keep)
     barrier()
     return _final_dir(out, step, read_run_id(out))
+
+
+LOW_SPACE = 64 * 2**20     # free bytes below which a failed write is reported as a full disk
+
+
+def write_failure(out, tmp, step, error) -> str:
+    """What to say when checkpoint `step` could not be written into `tmp`: the path, whether the disk is full,
+    and that nothing was lost (the last complete checkpoint stays; the same command resumes from it)."""
+    import errno
+    try:
+        free = shutil.disk_usage(out).free
+    except OSError:
+        free = None
+    full = getattr(error, "errno", None) == errno.ENOSPC or (free is not None and free < LOW_SPACE)
+    done = [p for _, p, _ in _checkpoints(out)]
+    last = f"the last complete checkpoint, {done[-1]}, is kept" if done else "no earlier checkpoint exists"
+    return (f"checkpoint of step {step}: writing {tmp} failed"
+            + (f": disk full ({free if free is not None else '?'} bytes free)" if full else f": {error}")
+            + f". Nothing committed was lost ({last}); " + ("free space, then " if full else "")
+            + "rerun the same command to resume")
 
 
 def _prune(out, run_id, step, keep):
