@@ -168,6 +168,21 @@ def _committed(path_file):
         return 0
 
 
+def test_kept_stages_carry_the_trainer_across_rounds_as_fresh_stages_train(straight, tiny, stopping):
+    """Uninterrupted, --stages kept: round 2 trains in the trainer kept from round 1 (trainer.next_cache, the
+    off-policy stream reading on), and every per-step loss and source equals the fresh-stage run's."""
+    ref_out, tmp, offpolicy = straight
+    out = str(tmp / "kept")
+    cmd, env = _command(tmp, tiny, stopping, out, offpolicy=offpolicy, stages="kept")
+    res = _run(cmd, env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "stages: kept" in res.stdout
+    want, got = _metrics(ref_out), _metrics(out)
+    assert [r["step"] for r in got] == [r["step"] for r in want] and len(got) == ROUNDS * STEPS
+    assert [(r["loss"], r["kd"], r["mixed_batches"]) for r in got] == \
+        [(r["loss"], r["kd"], r["mixed_batches"]) for r in want]
+
+
 def test_a_loop_killed_in_round_two_and_rerun_equals_one_that_ran_through(straight, tiny, stopping):
     """kill -9 of the loop (its stages kept up in it: Ray's teacher worker and the trainer) mid-rollout of round 2,
     then a hang-up mid-training of round 2, then a rerun: every per-step loss and source (round or off-policy
