@@ -79,6 +79,11 @@ def test_generate_mode_prompts_are_the_ids_before_the_first_label(tiny):
     assert got.input_ids.tolist() == rec["input_ids"][:enc.positions[0] + 1]      # through the generation prompt
     whole = Encoder(tok, vocab_size=len(tok)).encode_prompt(parse_row({"input_ids": [4, 8, 15]}))
     assert whole.input_ids.tolist() == [4, 8, 15]                                # no labels: all of it
+    # labels[0] names an id (it predicts nothing: no position before it): the prompt still runs to the first
+    # trained target at t >= 1, never empty (issue 42, section 4)
+    first_set = Encoder(tok, vocab_size=len(tok)).encode_prompt(parse_row({"input_ids": [4, 8, 15, 16],
+                                                                           "labels": [4, IGN, 15, 16]}))
+    assert first_set.input_ids.tolist() == [4, 8]
 
 
 def test_ids_records_read_alike_from_jsonl_parquet_and_a_save_to_disk_directory(tmp_path):
