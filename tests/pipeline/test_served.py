@@ -597,6 +597,13 @@ def test_a_missing_echo_of_the_prompt_ids_is_refused(fake):
     assert "no prompt_token_ids in the answer" in _score_with(fake, no_echo)
 
 
+def test_an_echo_of_other_ids_of_the_right_length_is_refused(fake):
+    def other_ids(body, choice):
+        choice["prompt_token_ids"] = [t + 1 for t in body["prompt"]]        # as many ids, not the ones sent
+        return choice
+    assert "it scored other token ids than it was sent" in _score_with(fake, other_ids)
+
+
 def test_a_wrong_length_answer_names_the_server_and_the_sample(fake):
     def short(body, choice):
         choice["prompt_logprobs"] = choice["prompt_logprobs"][:2]
