@@ -83,6 +83,10 @@ def test_check_record_refuses_draws_that_do_not_add_up():
     bad[0, 2] += 1                                                # nine draws at the first position
     with pytest.raises(RecordError, match="sum to the 8 draws"):
         check_record(Record(**{**rec.__dict__, "sample_counts": bad}), 10, V, sample=8)
+    fewer = rec.sample_counts.copy()
+    fewer[0, int(np.flatnonzero(fewer[0] > 0)[0])] -= 1            # seven draws at the first position
+    with pytest.raises(RecordError, match="sum to the 8 draws"):
+        check_record(Record(**{**rec.__dict__, "sample_counts": fewer}), 10, V, sample=8)
     with pytest.raises(RecordError, match="sample_counts"):
         check_record(Record(**{**rec.__dict__, "sample_counts": None}), 10, V, sample=8)
     exact = rec.sample_counts.copy()
