@@ -135,10 +135,11 @@ class Shard:
         if self._cached[0] != b:
             try:
                 batch = self._file.get_record_batch(b)
-                cols = _columns(batch) if self.version >= 2 else _columns_v1(batch, self.top_k)
+                cols, offs = _columns(batch) if self.version >= 2 else (_columns_v1(batch, self.top_k), None)
             except (OSError, pa.ArrowInvalid) as e:
                 raise ShardError(f"{self.path}: record batch {b} is unreadable ({e})") from e
             self._cached = (b, layout.Decoded(cols, top_k=self.top_k, logprob_dtype=self.logprob_dtype,
+                                              where=f"{self.path} (record batch {b})", list_offsets=offs,
                                               sample=self.sample))
         return self._cached[1]
 
@@ -195,13 +196,14 @@ def _flat(col):
 
 
 def _columns(batch):
+    """(Columns, {list column: its own per-sample offsets}) of a format 2/3 record batch."""
     got = {name: _flat(batch.column(name)) for name, _, _ in COLUMNS + SAMPLED + OPTIONAL
            if name in batch.schema.names}
     return layout.Columns(
         sample_id=_numpy(batch.column("sample_id")),
         truncated=_numpy(batch.column("truncated")),
         token_offsets=got["input_ids"][0], position_offsets=got["positions"][0],
-        **{name: vals for name, (_, vals) in got.items()})
+        **{name: vals for name, (_, vals) in got.items()}), {name: off for name, (off, _) in got.items()}
 
 
 def _columns_v1(batch, top_k):

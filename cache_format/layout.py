@@ -91,10 +91,46 @@ def encode(records, *, top_k, logprob_dtype, id_dtype=None, sample=0) -> Columns
         if any(r.behavior_logprobs is not None for r in records) else None)
 
 
+def check_columns(c: Columns, where: str, list_offsets: dict | None = None):
+    """Refuse a block whose column lengths disagree (SPEC.md section 4: every per-sample, per-token, per-position and
+    per-entry column has as many values as its offsets say), naming `where` (the shard) and every disagreement,
+    before any record is cut from it. list_offsets: {column: int64 [n + 1]}, the offsets a list column (Arrow)
+    carries of its own, each held to its kind's offsets. Vectorised: a few comparisons per column."""
+    n, bad = len(c.sample_id), []
+
+    def sized(name, values, want, unit):
+        if values is not None and len(values) != want:
+            bad.append(f"{name} has {len(values)} values for {want} {unit}")
+
+    sized("truncated", c.truncated, n, "samples")
+    for name, off, col in (("input_ids", c.token_offsets, c.input_ids), ("positions", c.position_offsets,
+                                                                           c.positions)):
+        if len(off) != n + 1 or (len(off) and (off[0] != 0 or off[-1] != len(col) or (np.diff(off) < 0).any())):
+            bad.append(f"{name}: offsets {len(off)} long, ending at {off[-1] if len(off) else None}, for {n} samples "
+                       f"and {len(col)} values")
+    P = len(c.positions)
+    for name in PER_POSITION + OPTIONAL:
+        sized(name, getattr(c, name), P, "positions")
+    if len(c.topk_counts) == P:
+        E = int(np.sum(c.topk_counts, dtype=np.int64))
+        for name in PER_ENTRY + SAMPLED:
+            sized(name, getattr(c, name), E, "entries (the sum of topk_counts)")
+        if not bad and list_offsets:
+            kinds = {**{k: c.position_offsets for k in PER_POSITION + OPTIONAL},
+                     **{k: c.entry_offsets for k in PER_ENTRY + SAMPLED}}
+            bad += [f"{name}: its per-sample offsets differ from those of its kind (a sample's values shifted into "
+                    "another's)" for name, off in list_offsets.items()
+                    if name in kinds and not np.array_equal(off, kinds[name])]
+    if bad:
+        from .errors import ShardError
+        raise ShardError(f"{where}: column lengths disagree: {'; '.join(bad)}")
+
+
 class Decoded:
     """A decoded block: record(i) for its i-th sample, views into dense padded [P, k] arrays."""
 
-    def __init__(self, cols: Columns, *, top_k, logprob_dtype, sample=0):
+    def __init__(self, cols: Columns, *, top_k, logprob_dtype, sample=0, where="shard", list_offsets=None):
+        check_columns(cols, where, list_offsets)
         self.cols = cols
         self.ids, self.lps, self.draws = compact.unpack_entries(
             cols.topk_counts, cols.topk_ids, cols.topk_values, logprob_dtype, top_k + sample, by_id=bool(sample),

@@ -176,7 +176,8 @@ class Shard:
                 positions=a["positions"], tail_mass=a["tail_mass"], **per_entry)
         except Exception as e:
             raise ShardError(f"{self.path}: samples [{lo}, {hi}) are unreadable ({type(e).__name__}: {e})") from e
-        return lo, layout.Decoded(cols, top_k=self.top_k, logprob_dtype=self.logprob_dtype, sample=self.sample)
+        return lo, layout.Decoded(cols, top_k=self.top_k, logprob_dtype=self.logprob_dtype, sample=self.sample,
+                                  where=f"{self.path} (samples [{lo}, {hi}))")
 
     def __getitem__(self, i):
         if not 0 <= i < len(self):
