@@ -92,8 +92,9 @@ def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_
 class Shard:
     """Reads one shard; decodes one record batch at a time (kept until the next is needed)."""
 
-    def __init__(self, path, top_k):
-        self.path, self.top_k = path, top_k
+    def __init__(self, path, top_k, rules=None):
+        """rules: values.Rules to check each decoded batch against (None: lengths only)."""
+        self.path, self.top_k, self.rules = path, top_k, rules
         try:
             self._file = pa.ipc.open_file(pa.memory_map(path, "r"))
         except (OSError, pa.ArrowInvalid) as e:
@@ -140,7 +141,7 @@ class Shard:
                 raise ShardError(f"{self.path}: record batch {b} is unreadable ({e})") from e
             self._cached = (b, layout.Decoded(cols, top_k=self.top_k, logprob_dtype=self.logprob_dtype,
                                               where=f"{self.path} (record batch {b})", list_offsets=offs,
-                                              sample=self.sample))
+                                              sample=self.sample, rules=self.rules))
         return self._cached[1]
 
     def __getitem__(self, row):

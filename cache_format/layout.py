@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import compact
+from . import compact, values
 from .record import Record
 
 
@@ -129,12 +129,18 @@ def check_columns(c: Columns, where: str, list_offsets: dict | None = None):
 class Decoded:
     """A decoded block: record(i) for its i-th sample, views into dense padded [P, k] arrays."""
 
-    def __init__(self, cols: Columns, *, top_k, logprob_dtype, sample=0, where="shard", list_offsets=None):
+    def __init__(self, cols: Columns, *, top_k, logprob_dtype, sample=0, where="shard", list_offsets=None,
+                 rules: values.Rules | None = None):
+        """rules: the manifest's (values.Rules.of); the block's values are checked against them before any record
+        is cut (ShardError naming `where`, the sample and the position). None: lengths are checked, values not."""
         check_columns(cols, where, list_offsets)
+        values.check_counts_fit(cols, top_k + sample, where)
         self.cols = cols
         self.ids, self.lps, self.draws = compact.unpack_entries(
             cols.topk_counts, cols.topk_ids, cols.topk_values, logprob_dtype, top_k + sample, by_id=bool(sample),
             extra=None if cols.sample_counts is None else cols.sample_counts.astype(np.int32))
+        if rules is not None:
+            values.check_block(cols, self.ids, self.lps, self.draws, logprob_dtype, rules, where)
         self.has_target = not np.isnan(cols.target_logprobs).all()
 
     def __len__(self):

@@ -11,6 +11,7 @@ from .lease import reader_lease
 from .location import as_location
 from .manifest import load_manifest, safe_shard_path
 from .storage import get_format
+from .values import Rules
 
 OPEN_SHARDS = 4  # shard readers kept open for random access
 READ_AHEAD = 4   # shards a remote cache downloads ahead of a sequential reader
@@ -25,9 +26,12 @@ class Cache:
     checksummed shards (fetch_bytes), filled ahead of the reader by `prefetch`.
     track_use=True announces this reader with a lease (see lease.py) so `kdcache gc` leaves
     the cache alone while it runs; close() withdraws it.
+    check_values=True (the default) checks every decoded block against the format's value rules (values.py:
+    what `verify` checks; a NaN tail mass, a positive log-prob, draws that do not add up) before any record of
+    it is handed out, raising ShardError naming the shard, sample and position; False reads without them.
     """
 
-    def __init__(self, directory, *, track_use=False, fetch_bytes=None, fetch_dir=None):
+    def __init__(self, directory, *, track_use=False, fetch_bytes=None, fetch_dir=None, check_values=True):
         self.location = as_location(directory)
         self.directory = self.location.url
         self._lease = None
@@ -46,6 +50,7 @@ class Cache:
             self.top_k = self.manifest.top_k
             self.sample = self.manifest.sample or 0     # a sampled cache's draws per position (SPEC.md 4.4)
             self._reader_cls = get_format(self.manifest.backend).Shard
+            self.rules = Rules.of(self.manifest) if check_values else None
             self._starts = [0]
             for s in self.shards:
                 self._starts.append(self._starts[-1] + s.num_samples)
@@ -90,7 +95,7 @@ class Cache:
             return self._open[j]
         info = self.shards[j]
         path = self.local_path(j)
-        reader = self._reader_cls(path, self.top_k)
+        reader = self._reader_cls(path, self.top_k, rules=self.rules)
         if len(reader) != info.num_samples:
             raise ShardError(f"{path}: holds {len(reader)} samples, the manifest says {info.num_samples}")
         if getattr(reader, "sample", 0) != self.sample:

@@ -4,13 +4,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import RecordError
+from .values import MAX_EXCESS_MASS, TARGET_TOL, exact_figures, target_violations
 
 # A teacher log-prob of -inf (a masked or impossible token in the top-k, e.g. a padded vocabulary row) is
 # stored as this finite floor: exp(-1000) is 0 in every float type, and float16 holds it exactly.
 LOGPROB_FLOOR = -1000.0
-# How far above 1 the probabilities a teacher hands the writer may sum (float32 rounding of a log-softmax over
-# the top-k); verify allows the same for a float32 cache (verify.MASS_TOL). More is not a distribution.
-MAX_EXCESS_MASS = 1e-3
 
 
 @dataclass
@@ -80,7 +78,7 @@ def lacks_end_of_turn(targets, truncated, eos_token_ids) -> bool:
 
 
 def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True, ragged: bool = False,
-                 mass_tol: float | None = MAX_EXCESS_MASS, sample: int = 0) -> Record:
+                 mass_tol: float | None = MAX_EXCESS_MASS, sample: int = 0, _exact=None) -> Record:
     """Coerce dtypes, derive a missing tail_mass, check shapes and invariants; raise RecordError naming the sample.
 
     The one rule for every teacher backend and for verify: ids in [0, vocab_size) and unique within a row, -1
@@ -88,7 +86,13 @@ def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True, 
     whose probabilities sum to at most 1 + mass_tol (None: not checked here; verify checks stored rows with the
     rounding of their dtype). ranked: entries must be in descending log-prob order (what writers take; a sqrt8
     cache reads back by id). sample: a sampled cache's draws per position (0: not sampled); top_k is then the
-    row width, the exact top entries plus `sample`, and the rows are ragged and unranked."""
+    row width, the exact top entries plus `sample`, and the rows are ragged and unranked.
+
+    The target rule (with mass_tol set): a known target log-prob whose target is not among the exact entries must
+    not exceed the smallest exact log-prob (+ values.TARGET_TOL), and the exact entries' mass plus its probability
+    must not exceed 1 + mass_tol; a given tail_mass plus the exact entries' mass must be 1 within mass_tol.
+    _exact: bool [P, top_k], the exact entries (a sampled row's are not all of its entries; default: every used
+    slot)."""
     if sample:
         return _check_sampled(rec, top_k, vocab_size, mass_tol, sample)
     sid = rec.sample_id
@@ -148,6 +152,9 @@ def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True, 
         bad("tail_mass must lie in [0, 1]")
     target = _per_position_logprobs("target_logprobs", target, P, bad)
     behavior = _per_position_logprobs("behavior_logprobs", behavior, P, bad)
+    if mass_tol is not None:
+        _check_target_and_tail(ids[pos + 1], pos, tid, tlp, used if _exact is None else _exact, target,
+                               None if rec.tail_mass is None else tail, mass_tol, bad)
     return Record(int(sid), ids, pos, tid, tlp, np.clip(tail, 0.0, 1.0), bool(rec.truncated), target, behavior)
 
 
@@ -172,7 +179,8 @@ def _check_sampled(rec, width, vocab_size, mass_tol, sample):
         tail = tail_mass_from_logprobs(np.where(exact, np.maximum(lp, LOGPROB_FLOOR), -np.inf))
     out = check_record(Record(rec.sample_id, rec.input_ids, rec.positions, tid, rec.topk_logprobs, tail,
                               rec.truncated, rec.target_logprobs, rec.behavior_logprobs),
-                       width, vocab_size, ranked=False, ragged=True, mass_tol=mass_tol)
+                       width, vocab_size, ranked=False, ragged=True, mass_tol=mass_tol,
+                       _exact=exact)
     used = out.topk_ids >= 0
     wrong = (counts < 0).any(axis=1) | (np.where(used, 0, counts) != 0).any(axis=1) | (counts.sum(axis=1) != sample)
     if wrong.any():
@@ -182,6 +190,32 @@ def _check_sampled(rec, width, vocab_size, mass_tol, sample):
         bad(f"every position needs exactly {width - sample} exact (count 0) entries")
     out.sample_counts = counts
     return out
+
+
+def _check_target_and_tail(targets, pos, tid, tlp, exact, target, tail, mass_tol, bad):
+    """check_record's target rule (values.target_violations, exact log-probs: no storage rounding) and, where the
+    caller gave tail_mass, exact mass + tail = 1 within mass_tol."""
+    if tail is not None:
+        mass = np.exp(np.where(exact, tlp, -np.inf).astype(np.float64)).sum(axis=1) + tail
+        off = np.abs(mass - 1) > mass_tol
+        if off.any():
+            p = int(np.flatnonzero(off)[0])
+            bad(f"position {pos[p]}: the mass of its {int(exact[p].sum())} top entries plus tail_mass is "
+                f"{mass[p]:.6f}, not 1 (+-{mass_tol:g})")
+    if target is None:
+        return
+    among, kth, exact_mass = exact_figures(tid, np.where(exact, tlp, -np.inf), targets)
+    above, over, mass = target_violations(among, kth, exact_mass, target, upper=lambda lp: lp,
+                                          mass_limit=1 + mass_tol)
+    if above.any():
+        p = int(np.flatnonzero(above)[0])
+        bad(f"position {pos[p]}: target id {int(targets[p])} is not among its {int(exact[p].sum())} top entries, "
+            f"yet its target_logprobs {float(target[p]):.6g} exceeds the k-th (smallest) one {float(kth[p]):.6g} "
+            f"(+{TARGET_TOL:g}): a teacher that ranks it outside them cannot give it more")
+    if over.any():
+        p = int(np.flatnonzero(over)[0])
+        bad(f"position {pos[p]}: the mass of its {int(exact[p].sum())} top entries plus the probability of target "
+            f"id {int(targets[p])}, outside them, is {mass[p]:.6f}, more than 1 (+{mass_tol:g})")
 
 
 def _per_position_logprobs(name, values, P, bad):

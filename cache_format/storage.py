@@ -4,8 +4,9 @@ A storage format module provides (see arrow_format.py, zarr_format.py):
     EXT                 the shard name's extension (shards/shard-00003-<tag>.EXT)
     CODECS              the compression codecs it accepts; DEFAULT_CODEC, one of them
     write_shard(path, records, *, top_k, logprob_dtype, codec, sample) -> (bytes, sha256), atomically
-    Shard(path, top_k)  a reader: len(), [row], iteration, each row a Record (a sampled shard says its
-                        draws per position itself)
+    Shard(path, top_k, rules=None)  a reader: len(), [row], iteration, each row a Record (a sampled shard says
+                        its draws per position itself); rules (values.Rules): each decoded block's values are
+                        checked against them before any record is cut from it
     field_bytes(path, codec) -> {field: bytes}, for `kdcache inspect`
 Adding a format is one module plus one line here; SPEC.md section 4 gets its byte layout. The manifest names
 the format under its key `backend` (kept so that existing caches stay valid).

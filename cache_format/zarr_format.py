@@ -114,8 +114,9 @@ async def _slices(arrays, wanted):
 class Shard:
     """Reads one shard group; offsets are loaded once, payload arrays are sliced a block at a time."""
 
-    def __init__(self, path, top_k):
-        self.path, self.top_k = path, top_k
+    def __init__(self, path, top_k, rules=None):
+        """rules: values.Rules to check each decoded block against (None: lengths only)."""
+        self.path, self.top_k, self.rules = path, top_k, rules
         # Zarr's LocalStore follows links: a linked chunk (c/0 -> /anywhere) would be read as shard data.
         check_shard_tree(path)
         try:
@@ -177,7 +178,7 @@ class Shard:
         except Exception as e:
             raise ShardError(f"{self.path}: samples [{lo}, {hi}) are unreadable ({type(e).__name__}: {e})") from e
         return lo, layout.Decoded(cols, top_k=self.top_k, logprob_dtype=self.logprob_dtype, sample=self.sample,
-                                  where=f"{self.path} (samples [{lo}, {hi}))")
+                                  where=f"{self.path} (samples [{lo}, {hi}))", rules=self.rules)
 
     def __getitem__(self, i):
         if not 0 <= i < len(self):

@@ -47,8 +47,8 @@ class TrainConfig:
     save_every: int = field(100, "checkpoint every N optimizer steps (0 = only at the end and on signals)")
     keep_checkpoints: int = field(2, "complete checkpoints kept")
     resume: str = field("auto", "auto (latest complete checkpoint in out/), never, or a checkpoint path")
-    skip_damaged_shards: bool = field(False, "skip (and count) shards that fail their checksum instead of "
-                                             "stopping")
+    skip_damaged_shards: bool = field(False, "skip (and count) shards that fail their checksum or "
+                                             "value checks instead of stopping")
     require_eos: bool = field(True, "refuse a cache whose first batch lacks end-of-turn positions")
     prefetch: int = field(2, "shards decoded ahead in the background")
     log_every: int = field(1, "steps between metric lines")

@@ -59,10 +59,12 @@ class LoadedShard:
 
 class CacheStream:
     def __init__(self, cache_dir, *, rank=0, world=1, seed=0, shuffle=True, batch_size=8, max_tokens=0,
-                 prefetch=2, epochs=None, skip_damaged=False, track_use=False, readahead=READ_AHEAD, part=(0, 1)):
+                 prefetch=2, epochs=None, skip_damaged=False, track_use=False, readahead=READ_AHEAD, part=(0, 1),
+                 check_values=True):
         """part (i, n): read only every n-th segment of this rank's span from the i-th (a DataLoader worker's
-        disjoint share: whole shards, never split between workers)."""
-        self.cache = open_cache(cache_dir, track_use=track_use)
+        disjoint share: whole shards, never split between workers). check_values: run the reader's value rules on
+        every decoded block (kdcache.cache_format.values; False only to measure what they cost)."""
+        self.cache = open_cache(cache_dir, track_use=track_use, check_values=check_values)
         if len(self.cache) < world:
             self.cache.close()
             raise TrainDataError(f"{cache_dir}: {len(self.cache)} sample(s) cannot feed {world} ranks (each rank "
@@ -72,8 +74,9 @@ class CacheStream:
         self.position = StreamPosition()
         self.skip_damaged = skip_damaged
         self.readahead = readahead   # shards a remote cache downloads ahead of the decoder
-        self.damaged = {}          # shard path -> samples skipped because its checksum failed
-        self._verified = set()
+        self.damaged = {}          # shard path -> samples skipped: its checksum failed, or its values (see _records)
+        self._verified = set()     # shard positions whose checksum passed
+        self._refused = set()      # shard positions found damaged and skipped
 
     # -- the order -------------------------------------------------------------------
     def segments(self, epoch):
@@ -155,30 +158,32 @@ class CacheStream:
                     ahead = [j for j, _ in (segs + following)[c:c + 1 + self.readahead]]   # into the next epoch
                     self.cache.prefetch(ahead)
                     j, rows = segs[c]
-                    sound = self._sound(j, len(rows))
-                    out.put(LoadedShard(epoch, c, len(segs), list(self.cache.iter_shard(j)) if sound else [], rows,
-                                        damaged=not sound))
+                    records = self._records(j, len(rows))
+                    out.put(LoadedShard(epoch, c, len(segs), records or [], rows, damaged=records is None))
                 epoch, cursor, segs = epoch + 1, 0, following
             out.put(None)
         except BaseException as e:  # surface reader errors in the trainer thread
             out.put(e)
 
-    def _sound(self, j, n_rows):
-        """Checksum a shard before its first use: a damaged shard fails the run, or is skipped and its
-        n_rows samples of this rank's span are counted."""
-        if j in self._verified:
-            return True
+    def _records(self, j, n_rows):
+        """Shard j's records, its checksum checked before its first use and every block's values as it is decoded
+        (the reader's value rules, what `kdcache verify` checks). A damaged shard, by either, fails the run naming
+        it, or is skipped (None) and its n_rows samples of this rank's span are counted in `damaged`."""
         entry = self.cache.shards[j]
-        try:
-            self.cache.checked_path(j)
-            self._verified.add(j)
-            return True
-        except ShardError as e:
-            if not self.skip_damaged:
-                raise ShardError(f"{e} ({entry.num_samples} samples). Run `kdcache verify {self.cache.directory}`; "
-                                 "pass --skip-damaged-shards to train on the rest.") from e
+        if j not in self._refused:
+            try:
+                if j not in self._verified:
+                    self.cache.checked_path(j)
+                    self._verified.add(j)
+                return list(self.cache.iter_shard(j))
+            except ShardError as e:
+                if not self.skip_damaged:
+                    raise ShardError(f"{e} ({entry.num_samples} samples). Run `kdcache verify "
+                                     f"{self.cache.directory}`; pass --skip-damaged-shards to train on the "
+                                     "rest.") from e
+                self._refused.add(j)        # not decoded again in later epochs
         self.damaged[entry.path] = n_rows          # this epoch's share of it
-        return False
+        return None
 
     def close(self):
         """Release the cache (its reader lease, downloaded shards). The stream cannot be read afterwards."""
