@@ -15,17 +15,21 @@ shard files (pipeline/worker.py). A worker that dies fails the job with the comm
 """
 import os
 import signal
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from kdcache.cache_format.manifest import shard_range
+from kdcache.common.env import env_seconds
 from kdcache.common.errors import Interrupted, WorkerDied
 from kdcache.common.signals import SIGNALS, StopFlag
 
 from .placement import gpus_per_worker, resolve_workers, worker_options
 from .ray_start import own_ray, start_ray
 from .worker import TeacherWorker, Unit
+
+STOP_GRACE_S = 60.0     # after a signal, how long the shards in flight may take to come back (KDCACHE_STOP_GRACE_S)
 
 
 @dataclass
@@ -35,6 +39,7 @@ class RunStats:
     retried: int = 0         # served teacher: requests retried after a transient failure (the server down, a 5xx)
     loop_s: float = 0.0      # first shard submitted -> last shard committed (start-up excluded)
     stopped: bool = False    # a signal stopped the run early
+    abandoned: list = field(default_factory=list)   # shards in flight when the stop's grace ran out (not committed)
     startup: dict = field(default_factory=dict)   # seconds from the job's start: see Dispatcher
     ray: dict = field(default_factory=dict)       # the cluster the job ran on: its GCS address, whether the job's own
     engine: dict = field(default_factory=dict)    # the teacher engine's settings, as a worker reported them (vLLM)
@@ -105,6 +110,7 @@ class Dispatcher:
     """
 
     POLL_S = 0.05       # how often pump looks at Ray while the scan runs
+    WAIT_S = 1.0        # the longest run() waits on Ray before it looks at the stop flag again
 
     def __init__(self, cfg, writer, starter, spec, gpus, todo, n_records, spool, t_start, pool=None):
         """pool: a pipeline.pool.WorkerPool whose Ray (the starter's) and workers outlive this job, else None."""
@@ -118,9 +124,20 @@ class Dispatcher:
         self.ray, self.workers, self.groups = None, None, []
         self.starting, self.pending, self.free, self.held = {}, {}, [], []
         self.stats, self.bar = RunStats(), None
-        self._t0, self._last_poll = None, 0.0
+        self._t0, self._last_poll, self._flag_seen = None, 0.0, None
         self.flag = StopFlag("finishing the shards in flight, then stopping (rerun the same command to resume).",
                              exit_on_second=True).install()
+
+    def _grace_over(self):
+        """After a signal, whether the shards in flight have had their STOP_GRACE_S to come back (a served teacher
+        that stopped answering, a shard of an hour's work): the job then stops without them."""
+        now = time.monotonic()
+        if self._flag_seen is None:
+            self._flag_seen = now
+            grace = env_seconds("KDCACHE_STOP_GRACE_S", STOP_GRACE_S)
+            print(f"{self.flag.signal}: waiting up to {grace:g} s for the {len(self.pending)} shard(s) in flight "
+                  "(KDCACHE_STOP_GRACE_S); a second signal stops at once", file=sys.stderr, flush=True)
+        return now - self._flag_seen >= env_seconds("KDCACHE_STOP_GRACE_S", STOP_GRACE_S)
 
     def _mark(self, what):
         self.stats.startup.setdefault(what, round(time.time() - self.t_start, 2))
@@ -162,7 +179,11 @@ class Dispatcher:
             self._submit()
             if not self.pending and (not self.units or self.flag):
                 break
-            self._collect(timeout=None)
+            if self.flag and self._grace_over():
+                self.stats.abandoned = sorted(j for _, j in self.pending.values())
+                self.pending = {}          # close() kills the workers; the resume scores these shards again
+                break
+            self._collect(timeout=self.WAIT_S)      # back in Python every WAIT_S: signals are handled there
         if self._t0 is not None:
             self.stats.loop_s = time.perf_counter() - self._t0    # the last commit: Ray's shutdown is not scoring
         self.stats.stopped = bool(self.flag)

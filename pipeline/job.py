@@ -21,7 +21,7 @@ from kdcache.cache_format.store import is_store
 from kdcache.cache_format.store import resolve as resolve_in_store
 from kdcache.cache_format.writer import cache_fingerprint, existing_manifest
 from kdcache.common.atomic import atomic_write_bytes
-from kdcache.common.errors import BadRow, DataError, SkipSample
+from kdcache.common.errors import BadRow, DataError, Interrupted, SkipSample
 
 from . import summary as report
 from .data import cache_records, is_cache, iter_rows, jsonl_lines, open_source_cache, parse_row
@@ -232,6 +232,13 @@ def run_job(job: Job, spool, starter=None, pool=None):
             if dispatch:
                 dispatch.close()
         out = report.summary(cfg, writer, skipped, job.t_start, stats, at_start)
+        if stats.abandoned:
+            discard_uncommitted(writer)
+            flag = dispatch.flag
+            raise Interrupted(f"stopped by {flag.signal}: shard(s) {stats.abandoned} were still in flight when "
+                              "KDCACHE_STOP_GRACE_S ran out and are not committed (their workers were stopped); "
+                              f"the {len(writer.manifest.shards)} committed shard(s) are safe. Rerun the same command "
+                              "to resume: it scores those shards again.", flag.signal, flag.signum)
         if stats.stopped:
             print(f"stopped early with {len(todo) - out['shards_this_run']} shard(s) left; "
                   "rerun the same command to resume.")

@@ -122,8 +122,8 @@ def test_parser_refuses_what_it_cannot_read():
         parse_prompt_logprobs(RECORDED[:3], [17, 5, 391, 8], np.array([0]), 3)
     with pytest.raises(ServerError, match="3 of the top-4"):
         parse_prompt_logprobs(RECORDED, [17, 5, 391, 8], np.array([2]), 4)
-    tie = [None, {"9": {"logprob": -1.0, "rank": 1}, "4": {"logprob": -1.0, "rank": 1},
-                  "5": {"logprob": -2.0, "rank": 2}}]          # the prompt token 9 ties rank 1: 4 keeps the slot
+    tie = [None, {"9": {"logprob": -1.2, "rank": 1}, "4": {"logprob": -1.2, "rank": 1},
+                  "5": {"logprob": -1.2, "rank": 2}}]          # the prompt token 9 ties rank 1: 4 keeps the slot
     np.testing.assert_array_equal(parse_prompt_logprobs(tie, [0, 9], np.array([0]), 2).ids, [[4, 5]])
 
 
@@ -134,7 +134,7 @@ def test_parser_refuses_what_it_cannot_read():
 # token first, then the top 2 (9 is among them at step 0; 7 is not at step 1, so that step has 3 entries).
 STEP_ANSWER = {"tokens": ["token_id:9", "token_id:7"], "token_logprobs": [-0.1, -4.0],
                "top_logprobs": [{"token_id:9": -0.1, "token_id:3": -2.5},
-                                {"token_id:7": -4.0, "token_id:2": -0.2, "token_id:8": -1.0}],
+                                {"token_id:7": -4.0, "token_id:2": -0.3, "token_id:8": -1.5}],
                "text_offset": [0, 0]}
 
 
@@ -296,7 +296,7 @@ def test_generate_scored_is_one_request_per_prompt_with_the_step_top_k(fake):
     (new, ended, sc), (new2, ended2, sc2) = out
     assert new == [9, 7] and ended and new2 == [] and not ended2
     np.testing.assert_array_equal(sc.ids, [[9, 3], [2, 8]])                # by log-prob, the outsider dropped
-    np.testing.assert_array_equal(sc.logprobs, np.float32([[-0.1, -2.5], [-0.2, -1.0]]))
+    np.testing.assert_array_equal(sc.logprobs, np.float32([[-0.1, -2.5], [-0.3, -1.5]]))
     np.testing.assert_array_equal(sc.target_logprobs, np.float32([-0.1, -4.0]))  # the generated token, any rank
     assert sc2.ids.shape == (0, 2) and sc2.target_logprobs.shape == (0,)
     t.close()
@@ -638,7 +638,7 @@ def test_a_distribution_that_sums_past_one_is_refused_by_every_backend():
 
 @pytest.mark.parametrize("ids,why", [([9, 9, 9, 9], "4 token ids generated, more than the 3"),
                                      ([7, 9], r"a stop id \(7\) at generated step 0"),
-                                     ([9, "7"], "something other than non-negative integers")])
+                                     ([9, "7"], "something other than integers in \\[0, 2147483647\\]")])
 def test_generate_mode_refuses_too_many_ids_and_a_stop_id_before_the_end(fake, ids, why):
     def answer(body, choice):
         choice["token_ids"] = ids
