@@ -8,6 +8,7 @@ it is written (flush), so the workers get a shard's samples while the scan is st
 Kept out of the cache itself, so nothing in the cache changes before the job holds the writer lock. Keeps the
 driver's memory flat and its CPU free while the teacher runs.
 """
+import errno
 import os
 import shutil
 import tempfile
@@ -16,6 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 from kdcache.cache_format.lease import process_dir
+from kdcache.common.atomic import crash_point
+from kdcache.common.errors import DataError
 
 from .encode import Sample
 
@@ -57,10 +60,25 @@ class Spool:
             w.write_batch(batch)
         buf = sink.getvalue()
         offset = self._file.tell()
-        self._file.write(buf)
-        self._file.flush()
+        try:
+            crash_point("spool-write")
+            self._file.write(buf)
+            self._file.flush()
+        except OSError as e:
+            raise DataError(self._write_failure(e)) from None
         self.segments.append((offset, buf.size))
         self._rows = []
+
+    def _write_failure(self, error):
+        """What to say when the spool cannot be written: where, whether the disk is full, where to move it."""
+        try:
+            free = f"{shutil.disk_usage(self.dir).free:,} bytes free"
+        except OSError:
+            free = "free space unknown"
+        what = f"disk full ({free})" if error.errno == errno.ENOSPC else f"{error.strerror or error}"
+        return (f"spool {self.path}: writing the tokenized samples failed: {what}. Nothing was committed to the "
+                "cache by this failure; set KDCACHE_SPOOL_DIR (or TMPDIR) to a directory on a larger disk, then "
+                "rerun the same command")
 
     def close_writing(self):
         self.flush()
