@@ -23,9 +23,10 @@ import time
 from .out_lock import FD_ENV, lock_out
 
 # A failed rank's peers get this long to exit after SIGTERM before SIGKILL. Without the failed rank no
-# collective (a checkpoint's barrier) can complete, and gloo/NCCL report the lost peer within seconds; a peer still
-# past this is stuck (a rendezvous that will never come), and SIGKILL leaves the last complete checkpoint.
-GRACE_S = 20
+# collective (a checkpoint's barrier) can complete, so there is nothing left for them to finish: a peer still
+# running is waiting for a rendezvous or a collective that will never come (a refusal on rank 0 left rank 1 in
+# a 600 s rendezvous), and SIGKILL leaves the last complete checkpoint (checkpoints are published atomically).
+GRACE_S = 3
 
 
 def without_nproc(argv):
