@@ -43,6 +43,7 @@ class RunStats:
     startup: dict = field(default_factory=dict)   # seconds from the job's start: see Dispatcher
     ray: dict = field(default_factory=dict)       # the cluster the job ran on: its GCS address, whether the job's own
     engine: dict = field(default_factory=dict)    # the teacher engine's settings, as a worker reported them (vLLM)
+    nodes: dict = field(default_factory=dict)     # shards committed this run per Ray node (its id's first 12 digits)
 
 
 def worker_gpus(cfg):
@@ -282,7 +283,10 @@ class Dispatcher:
         for ref in done:
             if ref in self.starting:
                 i = self.starting.pop(ref)
-                _loaded(self.ray, ref, self.flag)     # raises here if the teacher failed to load
+                node = _loaded(self.ray, ref, self.flag)     # raises here if the teacher failed to load
+                if node:
+                    by_node = self.stats.ray.setdefault("workers_by_node", {})
+                    by_node[node] = by_node.get(node, 0) + 1
                 self.free.extend([i] * self.cfg.max_in_flight)
                 self._mark("workers_ready_s")
                 continue
@@ -301,6 +305,8 @@ class Dispatcher:
         st.tokens += res["tokens"]
         st.teacher_s += res["teacher_s"]
         st.retried += res.get("retried", 0)
+        if res.get("node"):
+            st.nodes[res["node"]] = st.nodes.get(res["node"], 0) + 1
         st.engine = st.engine or dict(res.get("engine") or {})
         if self.bar is not None:
             self.bar.update(res["shard"].entry.num_samples)

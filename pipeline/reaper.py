@@ -7,11 +7,16 @@ also starts this reaper: a small process that watches the driver through a pipe 
 held when the reaper started.
 
 Each look records (pid, start time), so a pid reused since is never killed. A process the last look missed (two
-of Ray's agents once outlived a driver on a loaded machine, likely restarted between looks) is found by its Ray
-session: once the driver has told the reaper its session directory (announce), the reaper also kills, after the
-driver is gone, every process whose stdout or stderr is a file in that directory, as all of Ray's are. Linux only
-(it reads /proc); elsewhere start() returns None. A job that joins a cluster starts no reaper: that cluster is not
-the job's to stop.
+of Ray's agents once outlived a driver on a loaded machine, likely started between looks) is found two ways: as
+the child of a process being reaped, and by its Ray session (once the driver has told the reaper its session
+directory, announce, every process whose stdout or stderr is a file in that directory, as all of Ray's are).
+
+The reaping is bounded by events, not by waits, so a busy machine cannot outrun it: every process found is
+stopped (SIGSTOP) and seen stopped before the next look, so none of them can start another unseen; looks repeat
+until one adds nothing; then all are killed, each is waited on until it has exited, and the session is looked
+at again, until a look finds nothing. The reaper then says on the job's stderr what it found, if anything.
+Linux only (it reads /proc); elsewhere start() returns None. A job that joins a cluster starts no reaper: that
+cluster is not the job's to stop.
 """
 import os
 import select
@@ -19,19 +24,22 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
-LOOK_S = 0.5
+LOOK_S = 0.5        # between looks at the driver's tree while it lives
+STATE_WAIT_S = 30   # the longest a process is waited on to stop or exit (one in uninterruptible sleep); reported
 
 
 def start():
     """The reaper for this process, or None where /proc cannot be read. Call before Ray starts; the pipe's write
-    end is not inherited (Python's default), so only this process holds it open."""
+    end is not inherited (Python's default), so only this process holds it open. Its report goes to this
+    process's stderr."""
     if not os.path.isdir(f"/proc/{os.getpid()}"):
         return None
     before = ",".join(map(str, tree(os.getpid())))      # not Ray's: what this process had started before it
     return subprocess.Popen([sys.executable, "-m", "kdcache.pipeline.reaper", str(os.getpid()), before],
                             stdin=subprocess.PIPE, cwd="/", start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL)
 
 
 def announce(proc, session_dir):
@@ -53,28 +61,34 @@ def stop(proc):
             pass
         proc.stdin.close()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=STATE_WAIT_S + 10)
         except subprocess.TimeoutExpired:
             proc.kill()
 
 
 def _stat(pid):
-    """(parent pid, start time) of a live process, else None."""
+    """(parent pid, start time, state) of a live process, else None."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             s = f.read()
     except OSError:
         return None
     fields = s[s.rindex(")") + 2:].split()
-    return None if fields[0] == "Z" else (int(fields[1]), fields[19])
+    return None if fields[0] in ("Z", "X") else (int(fields[1]), fields[19], fields[0])
 
 
-def tree(root, skip=()):
-    """{pid: start time} of root's live descendants, the subtrees of `skip` left out."""
+def _children():
+    """{parent pid: [(pid, start time)]} of every live process: one look at /proc."""
     children = {}
     for name in os.listdir("/proc"):
         if name.isdigit() and (st := _stat(int(name))) is not None:
             children.setdefault(st[0], []).append((int(name), st[1]))
+    return children
+
+
+def tree(root, skip=(), children=None):
+    """{pid: start time} of root's live descendants, the subtrees of `skip` left out."""
+    children = _children() if children is None else children
     found, frontier = {}, [root]
     while frontier:
         for pid, started in children.get(frontier.pop(), ()):
@@ -118,22 +132,98 @@ def watch(driver: int, before=frozenset()):
                     sessions.append(line[len(b"session "):].decode())
                 clean = clean or line == b"clean"
         seen = tree(driver, skip={os.getpid()} | before) or seen
-    for pid, started in seen.items():
-        st = _stat(pid)
-        if st is not None and st[1] == started:     # the same process, not a reused pid
-            _kill(pid)
-    # What the last look missed, and (unless the driver shut its Ray down itself) what was mid-start then.
-    for n in range(0 if not sessions else 1 if clean else 3):
-        if n:
-            time.sleep(LOOK_S)
-        for session in sessions:
-            for pid in in_session(session, skip={os.getpid()} | set(before)):
-                _kill(pid)
+    t0 = time.monotonic()
+    killed, stuck = reap(seen, sessions, skip={os.getpid()} | set(before))
+    if killed or stuck:
+        print(report(driver, clean, killed, stuck, time.monotonic() - t0), file=sys.stderr, flush=True)
 
 
-def _kill(pid):
+def reap(seen, sessions, skip):
+    """Kill the processes in seen ({pid: start time}) that are still those processes, their descendants and the
+    sessions' processes (see the module's docstring). Returns ({pid: name} killed, {pid: name} of those still
+    alive STATE_WAIT_S after their kill)."""
+    killed, stuck = {}, {}
+    found = {pid: started for pid, started in seen.items() if _same(pid, started)}
+    found.update(_of_sessions(sessions, skip))
+    while found:
+        frozen = _freeze(found, sessions, skip | set(killed))
+        for pid in frozen:
+            _signal(pid, signal.SIGKILL)
+        killed.update(frozen)
+        stuck.update(_wait(frozen, lambda st: st is None))
+        found = _of_sessions(sessions, skip | set(killed))
+    return killed, {pid: killed[pid] for pid in stuck if _stat(pid) is not None}
+
+
+def _freeze(found, sessions, skip):
+    """Stop every process in found, then their children and the sessions' processes, until a look adds none.
+    Returns {pid: name} of the stopped ones."""
+    frozen = {}
+    while found:
+        for pid, started in found.items():
+            if _same(pid, started):
+                frozen[pid] = _name(pid)
+                _signal(pid, signal.SIGSTOP)
+        _wait({pid: None for pid in found if pid in frozen}, lambda st: st is None or st[2] in "tT")
+        children = _children()
+        found = {}
+        for pid in frozen:
+            for child, started in children.get(pid, ()):
+                if child not in frozen and child not in skip:
+                    found[child] = started
+        found.update(_of_sessions(sessions, skip | set(frozen)))
+    return frozen
+
+
+def _of_sessions(sessions, skip):
+    """{pid: start time} of the sessions' live processes."""
+    found = {}
+    for session in sessions:
+        for pid in in_session(session, skip):
+            if (st := _stat(pid)) is not None:
+                found[pid] = st[1]
+    return found
+
+
+def _wait(pids, done):
+    """Wait until done(_stat(pid)) for every pid, STATE_WAIT_S at most; returns those not done."""
+    deadline, left = time.monotonic() + STATE_WAIT_S, dict(pids)
+    while left:
+        left = {pid: v for pid, v in left.items() if not done(_stat(pid))}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    return left
+
+
+def _same(pid, started):
+    st = _stat(pid)
+    return st is not None and st[1] == started      # the same process, not a reused pid
+
+
+def _name(pid):
     try:
-        os.kill(pid, signal.SIGKILL)
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def report(driver, clean, killed, stuck, seconds):
+    """One line for the job's stderr: what the reaper found and did."""
+    names = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in sorted(Counter(killed.values()).items()))
+    why = "shut down its Ray, which left" if clean else "is gone; it left"
+    line = f"kdcache reaper: the job's driver (pid {driver}) {why} {len(killed)} process(es), killed in " \
+           f"{seconds:.2f} s: {names}"
+    if stuck:
+        line += f"; {len(stuck)} still alive {STATE_WAIT_S} s after the kill: " + \
+            ", ".join(f"{pid} ({n})" for pid, n in stuck.items())
+    return line
+
+
+def _signal(pid, sig):
+    try:
+        os.kill(pid, sig)
     except OSError:
         pass
 

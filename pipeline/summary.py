@@ -47,7 +47,9 @@ def summary(cfg, writer, skipped, t_start, stats, shards_at_start):
         # seconds from the job's start: Ray up, the first teacher loaded, the first shard submitted, the dataset
         # read, the first shard committed (pipeline.dispatch.Dispatcher)
         "startup": dict(stats.startup),
-        "ray": dict(stats.ray),                 # where the teacher ran: {gcs_address, own (started by the job)}
+        # where the teacher ran: {gcs_address, own (started by the job), workers_by_node (Ray node: workers)}
+        "ray": dict(stats.ray),
+        "shards_by_node": dict(stats.nodes),    # shards committed this run per Ray node (its id's first 12 digits)
         # vLLM: {max_num_batched_tokens (tokens per engine step), chunked_prefill, max_num_seqs}; {} for others
         "teacher_engine": dict(stats.engine),
         "fidelity": fidelity_text(m), "teacher_on_data": teacher_ce_text(m),
@@ -99,6 +101,10 @@ def _print(s, skipped):
     if eng:
         chunked = "on" if eng["chunked_prefill"] else "off (this model: whole samples per step)"
         rows.append(("vLLM engine", f"{eng['max_num_batched_tokens']:,} tokens per step, chunked prefill {chunked}"))
+    workers, shards = s["ray"].get("workers_by_node") or {}, s.get("shards_by_node") or {}
+    if len(set(workers) | set(shards)) > 1:
+        rows.append(("Ray nodes", ", ".join(f"{n}: {workers.get(n, 0)} worker(s), {shards.get(n, 0)} shard(s)"
+                                            for n in sorted(set(workers) | set(shards)))))
     if s["teacher_retries"]:
         rows.append(("teacher retries", f"{s['teacher_retries']:,} request(s) answered after a retry (the teacher "
                                         "server was unreachable or failed for a while; nothing was lost)"))

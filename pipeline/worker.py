@@ -63,14 +63,15 @@ class TeacherWorker:
         self.spec = spec
         g = spec.generator
         self.generator = None if g is None else make_teacher(g["backend"], g["model_path"], **g["kwargs"])
-        return True
+        return _node() or ""
 
-    def ready(self):
-        return True
+    def ready(self) -> str:
+        """Once the teacher is loaded: the Ray node this worker runs on ("" outside Ray)."""
+        return _node() or ""
 
     def run(self, unit: Unit):
         """Score the unit's samples and write its shard. Returns {shard (a WrittenShard), teacher_s, tokens, retried,
-        engine (the teacher engine's settings, or None)}."""
+        node (the Ray node it ran on), engine (the teacher engine's settings, or None)}."""
         t0 = time.perf_counter()
         retried = _retried(self.teacher)
         samples = unit.samples
@@ -89,7 +90,7 @@ class TeacherWorker:
                                  vocab_size=self.spec.vocab_size, sample_start=unit.sample_start,
                                  sample_end=unit.sample_end, tag=unit.shard_tag)
         return {"shard": shard, "teacher_s": teacher_s, "tokens": int(sum(len(s.input_ids) for s in samples)),
-                "retried": _retried(self.teacher) - retried,
+                "retried": _retried(self.teacher) - retried, "node": _node(),
                 "engine": self.teacher.engine_info() if hasattr(self.teacher, "engine_info") else None}
 
     def _score(self, samples: list[Sample], k: int):
@@ -147,6 +148,15 @@ def unblank_cuda_devices(teacher_kwargs: dict, environ=os.environ) -> bool:
 
 def _teacher_of(spec: WorkerSpec | None):
     return spec and (spec.teacher_backend, spec.model_path, spec.teacher_kwargs)
+
+
+def _node() -> str | None:
+    """The Ray node this worker runs on (its id's first 12 hex digits), or None outside Ray."""
+    try:
+        import ray
+        return ray.get_runtime_context().get_node_id()[:12]
+    except Exception:
+        return None
 
 
 def _retried(teacher) -> int:

@@ -28,7 +28,7 @@ WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 class RayHead:
     def __init__(self, num_cpus=2):
-        self.port, self.num_cpus, self.proc, self.forks = free_port(), num_cpus, None, None
+        self.port, self.num_cpus, self.proc, self.forks, self.nodes = free_port(), num_cpus, None, None, []
 
     @property
     def address(self):
@@ -61,6 +61,33 @@ class RayHead:
         self.stop()
         raise AssertionError(f"the Ray head did not listen on {self.port} after {timeout} s")
 
+    def add_node(self, num_cpus=1, timeout=120):
+        """Another node of this cluster on this machine: a raylet of its own (`ray start --address`), in a session of
+        its own. Returns once the cluster counts it alive."""
+        ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+        ports = {flag: free_port() for flag in ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                                                 "--runtime-env-agent-port", "--metrics-export-port")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KDCACHE_")}
+        env.update(RAY_ADDRESS="", **ENV, **WORKER_ENV)
+        proc = subprocess.Popen([ray_bin, "start", "--block", f"--address={self.address}",
+                                 "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--disable-usage-stats",
+                                 *[f"{k}={v}" for k, v in ports.items()]],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        self.nodes.append(proc)
+        want = 1 + len(self.nodes)
+        count = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+                 "print(sum(n['Alive'] for n in ray.nodes()))")
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            res = subprocess.run([sys.executable, "-c", count, self.address], capture_output=True, text=True,
+                                 env=env, timeout=timeout)
+            if res.returncode == 0 and int(res.stdout.split()[-1]) >= want:
+                return self
+            time.sleep(0.5)
+        raise AssertionError(f"the cluster at {self.address} did not count {want} nodes after {timeout} s")
+
     def start_forks(self):
         """The server that forks this head's workers for the jobs that join it with env() (tests/helpers/rayfork.py).
         Not waited for: until it listens, workers start as Ray starts them."""
@@ -86,6 +113,9 @@ class RayHead:
             _kill_session(self.forks)
             self.forks = None
             shutil.rmtree(os.path.dirname(self.fork_socket), ignore_errors=True)
+        for node in self.nodes:
+            _kill_session(node)
+        self.nodes = []
         if self.proc is not None:
             _kill_session(self.proc)
             self.proc = None

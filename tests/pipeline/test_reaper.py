@@ -91,3 +91,38 @@ def test_after_a_sigkill_what_logs_into_the_jobs_ray_session_goes_too_and_nothin
             os.kill(pid, signal.SIGKILL)
     assert gone, "a process logging into the job's Ray session outlived the driver"
     assert kept, "the reaper killed a process that is not the job's"
+
+
+FORKING_DRIVER = """
+import subprocess, sys, time
+from kdcache.pipeline import reaper
+out = sys.argv[1]
+r = reaper.start()
+# a child that starts a new grandchild every 20 ms, each in a session of its own and logging nowhere: whatever the
+# reaper's last look saw, newer ones exist by the time the driver is killed (as Ray's agents started between looks)
+subprocess.Popen(["sh", "-c", f"while true; do setsid sleep 300 < /dev/null > /dev/null 2>&1 & echo $! >> {out}/pids; "
+                  "sleep 0.02; done"], stdout=subprocess.DEVNULL)
+time.sleep(60)
+"""
+
+
+def test_processes_started_after_the_reapers_last_look_go_too_and_it_says_what_it_killed(tmp_path):
+    driver = subprocess.Popen([sys.executable, "-c", FORKING_DRIVER, str(tmp_path)], cwd=user_project(),
+                              env=user_env(), stderr=subprocess.PIPE, text=True)
+    pids = tmp_path / "pids"
+    deadline = time.time() + 30
+    while not (pids.exists() and len(pids.read_text().split()) > 60) and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.7)                                      # mid-way between two looks, on an idle machine
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    err = driver.stderr.read()                           # EOF once the reaper, which holds the same stderr, is done
+    started = [int(p) for p in pids.read_text().split()]
+    alive = [p for p in started if _alive(p)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"{len(alive)} of {len(started)} grandchildren outlived the driver and its reaper"
+    line = [ln for ln in err.splitlines() if ln.startswith("kdcache reaper:")]
+    assert line and f"(pid {driver.pid}) is gone" in line[0] and "sleep x" in line[0] and "sh" in line[0], err
+    killed = int(line[0].split(" it left ")[1].split()[0])
+    assert killed >= len(started) - 1, (killed, len(started))   # the last may have been forked after the freeze
