@@ -154,6 +154,8 @@ def _node() -> str | None:
     """The Ray node this worker runs on (its id's first 12 hex digits), or None outside Ray."""
     try:
         import ray
+        if not ray.is_initialized():          # get_runtime_context() would start a Ray here
+            return None
         return ray.get_runtime_context().get_node_id()[:12]
     except Exception:
         return None
