@@ -1,7 +1,13 @@
 """Precompute overhead: the whole pipeline against the raw teacher backend, steady state and whole process.
 
     .venv/bin/python bench/precompute.py [--samples 2000] [--k 64] [--backend vllm] [--shard-size 500]
-                                         [--repeat 1] [--warmup] [--no-steady]
+                                         [--repeat 1] [--warmup] [--no-steady] [--teacher DIR] [--long]
+                                         [--batch-tokens B]
+
+--long: token-id records of 150-310 random ids each (about 230 tokens a sample, the shape of the outside
+review's 2,000-chat, 461,676-token check) instead of the demo's short chats; --max-length 512 then.
+--batch-tokens: 0 (the default) leaves each side at its own default, as a user would run it: kdcache's
+--batch-tokens default, and vLLM's own engine step in the minimal script; B > 0 gives both sides B.
 
 Same teacher (the demo's, built under runs/demo if missing), same token ids and positions, same k.
 
@@ -28,8 +34,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-MAX_LENGTH = 256
-BATCH_TOKENS = 8192
+MAX_LENGTH = 256          # 512 with --long
 
 # The minimal script: what a user would write to get the same numbers out of vLLM, nothing else. Its engine
 # settings are pipeline.teacher_vllm.VLLMTeacher's for this bench's job.
@@ -44,14 +49,16 @@ def main():
     teacher, ids_path, k, max_len, batch_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
         int(sys.argv[5])
     seqs = json.load(open(ids_path))
+    step = {} if batch_tokens == 0 else {"max_num_batched_tokens": max(batch_tokens, max_len)}
     llm = LLM(model=teacher, tokenizer=teacher, dtype="float32", max_model_len=max_len, max_logprobs=k + 1, seed=0,
-              gpu_memory_utilization=0.85, skip_tokenizer_init=False,
-              max_num_batched_tokens=max(batch_tokens, max_len), enable_prefix_caching=False)
+              gpu_memory_utilization=0.85, skip_tokenizer_init=False, enable_prefix_caching=False, **step)
+    sc = llm.llm_engine.vllm_config.scheduler_config
     t0 = time.perf_counter()
     sp = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False)
     n = sum(len(o.prompt_logprobs.start_indices) for o in outs)
-    print(json.dumps({"sequences": len(outs), "positions": n, "score_s": time.perf_counter() - t0}), flush=True)
+    print(json.dumps({"sequences": len(outs), "positions": n, "score_s": time.perf_counter() - t0,
+                      "step": int(sc.max_num_batched_tokens)}), flush=True)
 
 
 if __name__ == "__main__":     # vLLM starts its engine process with spawn
@@ -73,8 +80,8 @@ def run_kdcache(args, teacher, data, out):
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "kdcache", "precompute", "--teacher", teacher, "--data", data,
                           "--out", out, "--backend", args.backend, "--top-k", str(args.k), "--shard-size",
-                          str(args.shard_size), "--max-length", str(MAX_LENGTH), "--batch-tokens", str(BATCH_TOKENS),
-                          "--worker-cpus", "0.5", "--no-progress"],
+                          str(args.shard_size), "--max-length", str(args.max_length), "--worker-cpus", "0.5",
+                          "--no-progress", *(["--batch-tokens", str(args.batch_tokens)] if args.batch_tokens else [])],
                          cwd=ROOT, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if res.returncode:
@@ -88,8 +95,8 @@ def run_minimal(args, teacher, ids_path, work):
     with open(script, "w") as f:
         f.write(MINIMAL)
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, script, teacher, ids_path, str(args.k), str(MAX_LENGTH),
-                          str(BATCH_TOKENS)], cwd=work, capture_output=True, text=True)
+    res = subprocess.run([sys.executable, script, teacher, ids_path, str(args.k), str(args.max_length),
+                          str(args.batch_tokens)], cwd=work, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     lines = res.stdout.strip().splitlines()
     if not lines or not lines[-1].startswith("{"):
@@ -110,12 +117,23 @@ def main():
     ap.add_argument("--repeat", type=int, default=1, help="whole-process runs of each side (medians reported)")
     ap.add_argument("--warmup", action="store_true", help="one untimed run of the minimal script first (file cache)")
     ap.add_argument("--no-steady", action="store_true", help="skip the in-process steady-state comparison")
+    ap.add_argument("--teacher", default=None, help="teacher directory (default: the demo's, trained if missing)")
+    ap.add_argument("--long", action="store_true", help="token-id records of 150-310 random ids (see above)")
+    ap.add_argument("--batch-tokens", type=int, default=0, help="0: each side's own default (see above)")
     args = ap.parse_args()
-    teacher = ensure_teacher()
+    args.max_length = 512 if args.long else MAX_LENGTH
+    teacher = args.teacher or ensure_teacher()
     work = tempfile.mkdtemp(prefix="kdbench-pre-")
     try:
         from kdcache.demo.task import make_splits, write_jsonl
-        train, _ = make_splits(args.records, 0, seed=1)
+        if args.long:
+            import numpy as np
+            rng = np.random.default_rng(1)
+            vocab = json.load(open(os.path.join(teacher, "config.json")))["vocab_size"]
+            train = [{"input_ids": rng.integers(1, min(vocab, 4000), int(rng.integers(150, 311))).tolist()}
+                     for _ in range(args.records)]
+        else:
+            train, _ = make_splits(args.records, 0, seed=1)
         data = os.path.join(work, "data.jsonl")
         write_jsonl(train, data)
 
@@ -125,7 +143,7 @@ def main():
         from kdcache.pipeline.data import iter_rows, parse_row
         from kdcache.pipeline.encode import Encoder
         tok = AutoTokenizer.from_pretrained(teacher)
-        enc = Encoder(tok, max_length=MAX_LENGTH)
+        enc = Encoder(tok, max_length=args.max_length)
         items = [enc.encode(parse_row(r.data)) for r in iter_rows(data)]
         tokens = sum(len(e.input_ids) for e in items)
         shards = [items[i:i + args.shard_size] for i in range(0, len(items), args.shard_size)]
@@ -146,17 +164,18 @@ def main():
             k_wall, summary = run_kdcache(args, teacher, data, out)
             minimal.append(m_wall)
             walls.append(k_wall)
-            print(f"  run {i + 1}: minimal vLLM script {m_wall:.1f} s (of which scoring {m_out['score_s']:.1f} s), "
-                  f"kdcache precompute {k_wall:.1f} s (first shard submitted at "
-                  f"{summary.get('startup', {}).get('first_submit_s', '?')} s)", flush=True)
+            step = (summary.get("teacher_engine") or {}).get("max_num_batched_tokens", "?")
+            print(f"  run {i + 1}: minimal vLLM script {m_wall:.1f} s (of which scoring {m_out['score_s']:.1f} s, "
+                  f"{m_out['step']} tokens per step), kdcache precompute {k_wall:.1f} s (first shard submitted at "
+                  f"{summary.get('startup', {}).get('first_submit_s', '?')} s, {step} tokens per step)", flush=True)
         if summary is None:
             k_wall, summary = run_kdcache(args, teacher, data, out)
             walls.append(k_wall)
 
         if not args.no_steady:
             from kdcache.pipeline.teacher import make_teacher
-            backend = make_teacher(args.backend, teacher, dtype="float32", max_length=MAX_LENGTH, max_top_k=args.k,
-                                   batch_tokens=BATCH_TOKENS)
+            backend = make_teacher(args.backend, teacher, dtype="float32", max_length=args.max_length,
+                                   max_top_k=args.k, batch_tokens=args.batch_tokens)
             backend.score([shards[0][0].input_ids], [shards[0][0].positions], args.k)       # warm-up
             t0 = time.perf_counter()
             for sh in shards:

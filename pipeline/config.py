@@ -71,7 +71,8 @@ class PrecomputeConfig:
     threads: int = field(0, "torch threads per hf worker (0: $OMP_NUM_THREADS, else this process's cores / workers)")
     max_in_flight: int = field(2, "shards queued per worker (bounds memory)")
     requests_in_flight: int = field(8, "served teacher: HTTP requests in flight per worker (one sequence each)")
-    batch_tokens: int = field(8192, "tokens per teacher forward batch")
+    batch_tokens: int = field(0, "tokens per teacher forward batch (vLLM: per engine step); 0 = 8192, or for vLLM "
+                                 "on CPU its own CPU default, 4096 per TP x PP rank (7-10%% faster there)")
     dtype: str = field("auto", "teacher compute dtype: auto = float32 on CPU, bfloat16 on GPU",
                        choices=("auto", "float32", "bfloat16", "float16"))
     ray_address: str | None = field(None, "existing Ray cluster (default: $RAY_ADDRESS, else a local Ray for the job)")
@@ -116,7 +117,7 @@ class PrecomputeConfig:
             ("worker_cpus", self.worker_cpus is None or self.worker_cpus > 0, "must be > 0"),
             ("max_in_flight", self.max_in_flight >= 1, "must be >= 1"),
             ("requests_in_flight", self.requests_in_flight >= 1, "must be >= 1"),
-            ("batch_tokens", self.batch_tokens >= 1, "must be >= 1"),
+            ("batch_tokens", self.batch_tokens >= 0, "must be >= 0 (0: the backend's default)"),
             ("gen_max_new_tokens", self.gen_max_new_tokens >= 1, "must be >= 1"),
             ("gen_temperature", self.gen_temperature >= 0, "must be >= 0"),
             ("gen_top_p", 0 < self.gen_top_p <= 1, "must be in (0, 1]"),

@@ -21,14 +21,14 @@ class HFTeacher:
     engine = "transformers"
 
     def __init__(self, model_path, *, dtype="float32", device=None, trust_remote_code=False,
-                 batch_tokens=8192, threads=None, **_):
+                 batch_tokens=0, threads=None, **_):
         if threads:
             torch.set_num_threads(threads)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         # dtype is always explicit: "auto" would silently run a float32 checkpoint in bf16.
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code).to(self.device).eval()
-        self.batch_tokens = batch_tokens
+        self.batch_tokens = batch_tokens or 8192          # --batch-tokens 0: the default
         # Positions scored per log_softmax: ~96 MiB of float32 [rows, V] at a time, so a 32k-token sample at a
         # 152k vocabulary needs 128 x V floats, not 32k x V (19.5 GB).
         vocab = self.model.get_output_embeddings().weight.shape[0]

@@ -11,12 +11,23 @@ import numpy as np
 
 from .teacher import Draws, Scored
 
+GPU_STEP = 8192    # tokens per engine step on GPUs: bounds the step's [tokens, V] log-probs (5 GB at V = 151,936)
+# vLLM's own CPU default per rank: 1,000 sequences of 150-310 tokens, k = 64, scored at 6,522-6,949 tok/s against
+# 6,078-6,206 with 8,192 (BENCHMARKS.md, "The engine step on CPU")
+CPU_STEP = 4096
+
+
+def default_step(ranks: int = 1) -> int:
+    """--batch-tokens 0: the engine step on this platform."""
+    from vllm.platforms import current_platform
+    return CPU_STEP * ranks if current_platform.is_cpu() else GPU_STEP
+
 
 class VLLMTeacher:
     engine = "vllm"
 
     def __init__(self, model_path, *, dtype="float32", max_length=2048, max_top_k=64, seed=0,
-                 trust_remote_code=False, gpu_memory_utilization=0.85, batch_tokens=8192, tensor_parallel_size=1,
+                 trust_remote_code=False, gpu_memory_utilization=0.85, batch_tokens=0, tensor_parallel_size=1,
                  pipeline_parallel_size=1, enforce_eager=False, logprobs_mode="raw_logprobs", full_distribution=False,
                  **_):
         """logprobs_mode: vLLM's; a --generator's is processed_logprobs (the distribution it samples from).
@@ -34,6 +45,7 @@ class VLLMTeacher:
                     enforce_eager=enforce_eager, logprobs_mode=logprobs_mode,
                     **({"distributed_executor_backend": "ray"}
                        if tensor_parallel_size * pipeline_parallel_size > 1 else {}))
+        batch_tokens = batch_tokens or default_step(tensor_parallel_size * pipeline_parallel_size)
         # prompt_logprobs builds [tokens, V] log-probs for every prompt token of an engine step: at most
         # batch_tokens of them per step, a longer sample split over steps (vLLM's chunked prefill, on by default
         # where the model supports it). Where it does not, vLLM refuses a step smaller than max_model_len: then

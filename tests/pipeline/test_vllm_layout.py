@@ -118,3 +118,32 @@ def test_an_engine_that_cannot_split_samples_gets_whole_ones_and_says_so(monkeyp
     mod.LLM = refuses
     with pytest.raises(ValueError, match="max_logprobs"):
         VLLMTeacher("m", max_length=4096, batch_tokens=512)
+
+
+@pytest.mark.parametrize("cpu,ranks,want", [(True, 1, 4096), (True, 2, 8192), (False, 1, 8192), (False, 4, 8192)])
+def test_batch_tokens_0_is_vllms_own_cpu_step_on_cpu_and_8192_on_gpus(monkeypatch, cpu, ranks, want):
+    """--batch-tokens 0 (the default): vLLM's CPU default of 4096 per rank on CPU, where 8192 scored 7-10% slower
+    (BENCHMARKS.md); 8192 on GPUs, where the step's [tokens, V] log-probs bound memory. A value given is kept."""
+    made = []
+
+    def llm(**kw):
+        made.append(kw["max_num_batched_tokens"])
+        return SimpleNamespace()
+    mod = types.ModuleType("vllm")
+    mod.LLM = llm
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(is_cpu=lambda: cpu)
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    tp = {} if ranks == 1 else {"tensor_parallel_size": ranks}
+    VLLMTeacher("m", max_length=2048, batch_tokens=0, **tp)
+    VLLMTeacher("m", max_length=2048, batch_tokens=1234, **tp)
+    assert made == [want, 1234]
+
+
+def test_the_default_batch_tokens_is_0_and_the_hf_teacher_reads_it_as_8192(tiny):
+    from kdcache.pipeline.config import PrecomputeConfig
+    from kdcache.pipeline.teacher_hf import HFTeacher
+    assert PrecomputeConfig.__dataclass_fields__["batch_tokens"].default == 0
+    assert HFTeacher(tiny["teacher"], batch_tokens=0).batch_tokens == 8192
+    assert HFTeacher(tiny["teacher"], batch_tokens=300).batch_tokens == 300
