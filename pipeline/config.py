@@ -72,7 +72,8 @@ class PrecomputeConfig:
     max_in_flight: int = field(2, "shards queued per worker (bounds memory)")
     requests_in_flight: int = field(8, "served teacher: HTTP requests in flight per worker (one sequence each)")
     batch_tokens: int = field(0, "tokens per teacher forward batch (vLLM: per engine step); 0 = 8192, or for vLLM "
-                                 "on CPU its own CPU default, 4096 per TP x PP rank (7-10%% faster there)")
+                                 "on CPU its own CPU default, 4096 per TP x PP rank (7-10%% faster there), or "
+                                 "--max-length up to 8192 where that is more")
     dtype: str = field("auto", "teacher compute dtype: auto = float32 on CPU, bfloat16 on GPU",
                        choices=("auto", "float32", "bfloat16", "float16"))
     ray_address: str | None = field(None, "existing Ray cluster (default: $RAY_ADDRESS, else a local Ray for the job)")

@@ -17,10 +17,11 @@ GPU_STEP = 8192    # tokens per engine step on GPUs: bounds the step's [tokens, 
 CPU_STEP = 4096
 
 
-def default_step(ranks: int = 1) -> int:
-    """--batch-tokens 0: the engine step on this platform."""
+def default_step(ranks: int = 1, max_length: int = 0) -> int:
+    """--batch-tokens 0: the engine step on this platform. On CPU never below a sample of up to GPU_STEP tokens
+    (a sampled generator's prompt must fit one step there, as it did at the earlier default of 8,192)."""
     from vllm.platforms import current_platform
-    return CPU_STEP * ranks if current_platform.is_cpu() else GPU_STEP
+    return max(CPU_STEP * ranks, min(max_length, GPU_STEP)) if current_platform.is_cpu() else GPU_STEP
 
 
 class VLLMTeacher:
@@ -45,7 +46,7 @@ class VLLMTeacher:
                     enforce_eager=enforce_eager, logprobs_mode=logprobs_mode,
                     **({"distributed_executor_backend": "ray"}
                        if tensor_parallel_size * pipeline_parallel_size > 1 else {}))
-        batch_tokens = batch_tokens or default_step(tensor_parallel_size * pipeline_parallel_size)
+        batch_tokens = batch_tokens or default_step(tensor_parallel_size * pipeline_parallel_size, max_length)
         # prompt_logprobs builds [tokens, V] log-probs for every prompt token of an engine step: at most
         # batch_tokens of them per step, a longer sample split over steps (vLLM's chunked prefill, on by default
         # where the model supports it). Where it does not, vLLM refuses a step smaller than max_model_len: then

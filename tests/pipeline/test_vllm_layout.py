@@ -120,10 +120,14 @@ def test_an_engine_that_cannot_split_samples_gets_whole_ones_and_says_so(monkeyp
         VLLMTeacher("m", max_length=4096, batch_tokens=512)
 
 
-@pytest.mark.parametrize("cpu,ranks,want", [(True, 1, 4096), (True, 2, 8192), (False, 1, 8192), (False, 4, 8192)])
-def test_batch_tokens_0_is_vllms_own_cpu_step_on_cpu_and_8192_on_gpus(monkeypatch, cpu, ranks, want):
+@pytest.mark.parametrize("cpu,ranks,length,want", [(True, 1, 2048, 4096), (True, 2, 2048, 8192),
+                                                    (True, 1, 6000, 6000), (True, 1, 32768, 8192),
+                                                    (False, 1, 2048, 8192), (False, 4, 2048, 8192)])
+def test_batch_tokens_0_is_vllms_own_cpu_step_on_cpu_and_8192_on_gpus(monkeypatch, cpu, ranks, length, want):
     """--batch-tokens 0 (the default): vLLM's CPU default of 4096 per rank on CPU, where 8192 scored 7-10% slower
-    (BENCHMARKS.md); 8192 on GPUs, where the step's [tokens, V] log-probs bound memory. A value given is kept."""
+    (BENCHMARKS.md), but never below a sample of up to 8192 tokens (a sampled generator's prompt must fit one step
+    on CPU, as it did at the old default); 8192 on GPUs, where the step's [tokens, V] log-probs bound memory. A
+    value given is kept."""
     made = []
 
     def llm(**kw):
@@ -136,8 +140,8 @@ def test_batch_tokens_0_is_vllms_own_cpu_step_on_cpu_and_8192_on_gpus(monkeypatc
     monkeypatch.setitem(sys.modules, "vllm", mod)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     tp = {} if ranks == 1 else {"tensor_parallel_size": ranks}
-    VLLMTeacher("m", max_length=2048, batch_tokens=0, **tp)
-    VLLMTeacher("m", max_length=2048, batch_tokens=1234, **tp)
+    VLLMTeacher("m", max_length=length, batch_tokens=0, **tp)
+    VLLMTeacher("m", max_length=length, batch_tokens=1234, **tp)
     assert made == [want, 1234]
 
 
