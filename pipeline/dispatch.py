@@ -43,7 +43,7 @@ class RunStats:
     startup: dict = field(default_factory=dict)   # seconds from the job's start: see Dispatcher
     ray: dict = field(default_factory=dict)       # the cluster the job ran on: its GCS address, whether the job's own
     engine: dict = field(default_factory=dict)    # the teacher engine's settings, as a worker reported them (vLLM)
-    nodes: dict = field(default_factory=dict)     # shards committed this run per Ray node (its id's first 12 digits)
+    shards_by_node: dict = field(default_factory=dict)   # shards committed this run per Ray node (id's first 12 digits)
 
 
 def worker_gpus(cfg):
@@ -306,7 +306,7 @@ class Dispatcher:
         st.teacher_s += res["teacher_s"]
         st.retried += res.get("retried", 0)
         if res.get("node"):
-            st.nodes[res["node"]] = st.nodes.get(res["node"], 0) + 1
+            st.shards_by_node[res["node"]] = st.shards_by_node.get(res["node"], 0) + 1
         st.engine = st.engine or dict(res.get("engine") or {})
         if self.bar is not None:
             self.bar.update(res["shard"].entry.num_samples)

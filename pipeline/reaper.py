@@ -86,9 +86,9 @@ def _children():
     return children
 
 
-def tree(root, skip=(), children=None):
+def tree(root, skip=()):
     """{pid: start time} of root's live descendants, the subtrees of `skip` left out."""
-    children = _children() if children is None else children
+    children = _children()
     found, frontier = {}, [root]
     while frontier:
         for pid, started in children.get(frontier.pop(), ()):

@@ -49,7 +49,7 @@ def summary(cfg, writer, skipped, t_start, stats, shards_at_start):
         "startup": dict(stats.startup),
         # where the teacher ran: {gcs_address, own (started by the job), workers_by_node (Ray node: workers)}
         "ray": dict(stats.ray),
-        "shards_by_node": dict(stats.nodes),    # shards committed this run per Ray node (its id's first 12 digits)
+        "shards_by_node": dict(stats.shards_by_node),    # shards committed this run per Ray node
         # vLLM: {max_num_batched_tokens (tokens per engine step), chunked_prefill, max_num_seqs}; {} for others
         "teacher_engine": dict(stats.engine),
         "fidelity": fidelity_text(m), "teacher_on_data": teacher_ce_text(m),
