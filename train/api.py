@@ -9,7 +9,7 @@ the draws (train/losses.py sampled_kl_per_position): the batch's topk_weights sa
 import torch
 
 from .batch import Batch
-from .losses import LossConfig, chunked_kd_loss, kd_loss_from_logits
+from .losses import LossConfig, chunked_kd_loss, default_chunk, kd_loss_from_logits
 
 
 def _at_positions(x, batch):
@@ -24,8 +24,8 @@ def kd_loss(logits: torch.Tensor, batch: Batch, *, beta=0.0, temperature=1.0, ta
     logits: (R, T, V) as the model returns them for batch.input_ids, or (N, V) at the trained positions.
     reduction: "mean" over the N positions (0 when N is 0) or "sum" (the trainer divides sums by the number
     of positions of the whole optimizer step, across accumulation and ranks).
-    objective: "gkd", or "token-rkl" (reverse KL on the sampled tokens, importance-weighted by the batch's
-    behavior_logprobs where it has them; train/losses.py token_rkl_per_position).
+    objective: "gkd", "token-rkl" (reverse KL on the sampled tokens, importance-weighted by the batch's
+    behavior_logprobs where it has them; train/objectives.py token_rkl), or "sft" (the cross-entropy alone).
     """
     cfg = LossConfig(beta=beta, temperature=temperature, tail=tail, sft_alpha=sft_alpha, objective=objective)
     dev = logits.device
@@ -36,7 +36,7 @@ def kd_loss(logits: torch.Tensor, batch: Batch, *, beta=0.0, temperature=1.0, ta
 
 
 def kd_loss_chunked(hidden: torch.Tensor, lm_head: torch.nn.Module, batch: Batch, *, beta=0.0, temperature=1.0,
-                    tail="tail", sft_alpha=0.0, chunk_size=1024, logit_transform=None, reduction="mean",
+                    tail="tail", sft_alpha=0.0, chunk_size=0, logit_transform=None, reduction="mean",
                     objective="gkd"):
     """kd_loss of lm_head(hidden), fused and chunked: at most one [chunk_size, V] block of float32 logits exists
     at a time, in the forward pass and the backward (the gradient is taken chunk by chunk in the forward).
@@ -44,10 +44,12 @@ def kd_loss_chunked(hidden: torch.Tensor, lm_head: torch.nn.Module, batch: Batch
     hidden: (R, T, H) final hidden states (the model's `.model(...).last_hidden_state`) or (N, H).
     lm_head: the model's output layer (weight (V, H), optional bias). logit_transform: what the model's forward
     applies after lm_head (see kdcache.heads.logit_transform(model.config): Gemma 2 soft-capping, Cohere and
-    Granite scaling), or None.
+    Granite scaling), or None. chunk_size 0: `kdcache train`'s default for the head's vocabulary (512 rows).
+    Each chunk's gradient is taken in closed form (train/losses.py _chunk): one dense pass over its logits, as
+    cross-entropy's, whatever the objective.
     """
-    cfg = LossConfig(beta=beta, temperature=temperature, tail=tail, sft_alpha=sft_alpha, chunk_size=chunk_size,
-                     objective=objective)
+    cfg = LossConfig(beta=beta, temperature=temperature, tail=tail, sft_alpha=sft_alpha,
+                     chunk_size=chunk_size or default_chunk(lm_head.weight.shape[0]), objective=objective)
     dev = hidden.device
     loss, _ = chunked_kd_loss(_at_positions(hidden, batch), lm_head.weight, batch.topk_ids.to(dev),
                               batch.topk_logprobs.to(dev), batch.tail_mass.to(dev), batch.targets.to(dev), cfg,

@@ -16,15 +16,16 @@ class TrainConfig:
     objective: str = field("gkd", "gkd: generalized JSD over the cached top-k and tail (--beta, --temperature, "
                                   "--tail); token-rkl: reverse KL on each sampled token, log S(y) - log T(y) as a "
                                   "negative advantage, importance-weighted by the stored behaviour log-probs (on-"
-                                  "policy caches; needs only the teacher's target log-probs)",
-                           choices=("gkd", "token-rkl"))
+                                  "policy caches; needs only the teacher's target log-probs); sft: cross-entropy "
+                                  "on the cached completion tokens alone (the same fused head)",
+                           choices=("gkd", "token-rkl", "sft"))
     beta: float = field(0.0, "generalized JSD beta: 0 forward KL(T||S), 1 reverse KL(S||T)")
     temperature: float = field(1.0, "distillation temperature tau (loss scaled by tau^2)")
     tail: str = field("tail", "teacher mass outside top-k: tail bucket, or renorm over the top-k",
                       choices=("tail", "renorm"))
     sft_alpha: float = field(0.0, "weight of the cross-entropy term on the cached completion tokens")
     loss_chunk: int = field(0, "positions per loss chunk (bounds [chunk, vocab] float32 memory); 0 = by the "
-                               "student's vocabulary: 512 at 32k, 128 at 152k, 64 at 262k (train/losses.py)")
+                               "student's vocabulary: 512 up to 524,288 ids, fewer past that (train/loss_config.py)")
     # optimisation
     lr: float = field(5e-4, "peak learning rate (AdamW)")
     min_lr_ratio: float = field(0.1, "final learning rate as a fraction of lr (cosine decay)")

@@ -12,21 +12,23 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
-# One chunk's [chunk, V] float32 logits, at most (the default chunk's bound). Measured at V = 151,936 on CPU
-# (BENCHMARKS.md): chunks of 128 / 256 / 512 / 1024 positions cost 1.72 / 1.35 / 1.23 / 1.20x an SFT step and
-# 0.078 / 0.124 / 0.217 / 0.401x the dense loss's peak memory; 192 MiB (256 there) keeps memory under 0.15x.
-CHUNK_LOGIT_BYTES = 192 * 2**20
+# The default chunk (issue 43): the fused loss holds at most about four [chunk, V] float32 blocks at once (logits,
+# their exps, the gradient; a soft-capped head or sampled tempering adds one), measured 2.5-3.5 plus the head's
+# [V, H] gradient (BENCHMARKS.md). 4 x 512 rows is 0.125x the dense [N, V] float32 logits of a micro-batch of
+# 8 x 2,048 tokens, under the 0.15x goal at every vocabulary; the closed-form loss costs the same per position
+# at 256, 512 and 1,024 rows. One block is also kept under 1 GiB, which only binds past 524,288 ids.
+DEFAULT_CHUNK = 512
+CHUNK_LOGIT_BYTES = 2**30
 
 
 def default_chunk(vocab_size: int) -> int:
-    """Positions per loss chunk for a vocabulary: the largest power of two whose [chunk, V] float32 logits fit
-    CHUNK_LOGIT_BYTES, within [32, 4096]: 1024 at 32,000, 256 at 151,936, 128 at 262,144. Peak loss memory is about
-    six chunks of logits (the logits, their softmax and gradients) plus the hidden states (BENCHMARKS.md)."""
+    """Positions per loss chunk for a vocabulary: 512, or fewer (a power of two, at least 32) where one [chunk, V]
+    float32 block would pass CHUNK_LOGIT_BYTES (V > 524,288)."""
     rows = max(1, CHUNK_LOGIT_BYTES // (4 * max(1, int(vocab_size))))
-    return int(min(4096, max(32, 2 ** (rows.bit_length() - 1))))
+    return int(min(DEFAULT_CHUNK, max(32, 2 ** (rows.bit_length() - 1))))
 
 
-OBJECTIVES = ("gkd", "token-rkl")
+OBJECTIVES = ("gkd", "token-rkl", "sft")
 
 
 @dataclass
@@ -36,16 +38,19 @@ class LossConfig:
     tail: str = "tail"  # "tail" or "renorm"
     sft_alpha: float = 0.0
     chunk_size: int = 1024  # positions per chunk in the chunked loss
-    objective: str = "gkd"  # "gkd" over the cached top-k, or "token-rkl" on the sampled tokens (token_rkl_per_position)
+    objective: str = "gkd"  # "gkd" over the cached top-k, "token-rkl" on the sampled tokens, "sft": cross-entropy alone
     importance: bool = True  # token-rkl: weight by p_S / behaviour where behaviour log-probs are given
 
     def __post_init__(self):
         checks = [
             ("objective", self.objective in OBJECTIVES, f"one of {list(OBJECTIVES)}"),
             ("temperature", self.objective == "gkd" or self.temperature == 1.0,
-             "1 with the token-rkl objective (it scores the sampled tokens at temperature 1)"),
+             f"1 with the {self.objective} objective (it scores the tokens at temperature 1)"),
             ("beta", self.objective == "gkd" or self.beta == 0.0,
-             "0 with the token-rkl objective (it has no mixture; beta is GKD's)"),
+             f"0 with the {self.objective} objective (it has no mixture; beta is GKD's)"),
+            ("sft_alpha", self.objective != "sft" or self.sft_alpha == 0.0,
+             "0 with the sft objective (it trains the cross-entropy alone, at weight 1; --sft-alpha weighs it "
+             "beside a KD term)"),
             ("beta", _is_real(self.beta) and 0.0 <= self.beta <= 1.0, "a number in [0, 1]"),
             ("temperature", _is_real(self.temperature) and self.temperature > 0, "a finite number > 0"),
             ("tail", self.tail in ("tail", "renorm"), "'tail' or 'renorm'"),

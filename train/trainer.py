@@ -299,7 +299,12 @@ def finish(run, reason, resume_cmd):
                            json.dumps({"step": run.step, "reason": reason, "final_model": final,
                                        "damaged_shards_skipped": stream.damaged,
                                        "samples_untrained": untrained, "outside_vocab": outside,
-                                       "loss_path": run.engine.module.path}).encode())
+                                       "loss_path": run.engine.module.path,
+                                       "loss_chunk": run.engine.module.loss_cfg.chunk_size,
+                                       "loss_chunk_from": "--loss-chunk" if cfg.loss_chunk else
+                                       "the default for the student's vocabulary"}).encode())
+        print(f"loss: {run.engine.module.path} ("
+              f"{'--loss-chunk' if cfg.loss_chunk else 'the default chunk for this vocabulary'})", flush=True)
         if outside:
             print(f"{outside} teacher top-k entries named ids the student has no embedding row for (a teacher "
                   "vocabulary padded past the student's); their mass was trained as the tail bucket", flush=True)

@@ -33,6 +33,14 @@ def logit_transform(config):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def grad_in_place(z, dz):
+        """dL/dlogits from dL/dz, z = transform(logits), in closed form: dz * d/dlogits; z is overwritten."""
+        if cap is not None:                                      # d(cap tanh(y / cap))/dy = 1 - (z / cap)^2
+            dz.mul_(z.div_(cap).square_().neg_().add_(1.0))
+        factor = (scale or 1.0) / (divide or 1.0)
+        return dz.mul_(factor) if factor != 1.0 else dz
+
+    transform.grad_in_place = grad_in_place
     transform.description = ", ".join(x for x in (scale and f"x{scale:g}", divide and f"/{divide:g}",
                                                   cap and f"softcap {cap:g}") if x)
     return transform

@@ -33,7 +33,7 @@ def test_train_settings_and_the_rank_launcher_do_not_import_torch(tmp_path):
             "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
             "    try:\n        main(['--help'])\n    except SystemExit:\n        pass\n"
             "cfg = TrainConfig(cache='c', student='s', out='o', beta=0.5)\n"
-            "assert cfg.loss_config(151936).chunk_size == 256 and '--nproc-per-node' in out.getvalue()\n"
+            "assert cfg.loss_config(151936).chunk_size == 512 and '--nproc-per-node' in out.getvalue()\n"
             "print('torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]

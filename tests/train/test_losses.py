@@ -572,14 +572,13 @@ def test_the_fused_loss_builds_no_gradient_under_no_grad(monkeypatch):
 
 
 def test_the_default_chunk_follows_the_vocabulary():
-    """--loss-chunk 0 (the default): the chunk's [chunk, V] float32 logits stay within CHUNK_LOGIT_BYTES, as large a
-    power of two as fits, so a 152k or 262k vocabulary does not multiply the loss's peak memory."""
+    """--loss-chunk 0 (the default): 512 positions, fewer only where one [chunk, V] float32 block would pass
+    CHUNK_LOGIT_BYTES (1 GiB)."""
     from kdcache.train.config import TrainConfig
     from kdcache.train.losses import CHUNK_LOGIT_BYTES, default_chunk
-    for vocab, want in ((32000, 1024), (151936, 256), (262144, 128), (400, 4096)):
+    for vocab, want in ((32000, 512), (151936, 512), (262144, 512), (400, 512), (1_048_576, 256), (2**26, 32)):
         c = default_chunk(vocab)
         assert c == want and (c * vocab * 4 <= CHUNK_LOGIT_BYTES or c == 32)
-        assert c == 4096 or 2 * c * vocab * 4 > CHUNK_LOGIT_BYTES                 # the largest that fits
     cfg = TrainConfig(cache="c", student="s", out="o")
-    assert cfg.loss_chunk == 0 and cfg.loss_config(151936).chunk_size == 256
+    assert cfg.loss_chunk == 0 and cfg.loss_config(151936).chunk_size == 512
     assert TrainConfig(cache="c", student="s", out="o", loss_chunk=16).loss_config(151936).chunk_size == 16

@@ -130,7 +130,7 @@ def test_a_token_rkl_run_trains_its_off_policy_mix_with_gkd_and_counts_each(cach
                         0.5, "--beta", 1, "--max-steps", 8, "--batch-size", 2, "--save-every", 0))
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
-    seen = {"gkd": 0, "token-rkl": 0}
+    seen = {"gkd": 0, "token-rkl": 0, "sft": 0}
     for row in rows:
         n = row["positions_by_objective"]
         assert sum(n.values()) == row["positions"]
@@ -140,4 +140,4 @@ def test_a_token_rkl_run_trains_its_off_policy_mix_with_gkd_and_counts_each(cach
             seen[o] += n[o] > 0
             if o == "gkd" and kd is not None:
                 assert kd >= 0                          # a divergence over the buckets (token-rkl's can be < 0)
-    assert seen["gkd"] and seen["token-rkl"], seen
+    assert seen["gkd"] and seen["token-rkl"] and not seen["sft"], seen

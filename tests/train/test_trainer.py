@@ -58,6 +58,25 @@ def test_training_lowers_the_distillation_loss_and_saves_a_loadable_student(setu
 BASE = ("--max-steps", 3, "--batch-size", 4, "--no-shuffle", "--save-every", 0)
 
 
+def test_objective_sft_trains_the_cross_entropy_alone_on_the_fused_head(setup, tmp_path):
+    # --objective sft: the loss is the cached completion tokens' cross-entropy, at weight 1, on the same fused,
+    # chunked head as KD. Its first step's loss is the CE a KD run logs for the same first batch (the same
+    # student, order and positions), and it falls; the summary names the chunk the run chose.
+    res = run(train_cmd(setup, tmp_path / "sft", "--objective", "sft", *BASE[:1], 12, *BASE[2:]))
+    assert res.returncode == 0, res.stderr[-3000:]
+    kd = run(train_cmd(setup, tmp_path / "kd", "--max-steps", 1, *BASE[2:]))
+    assert kd.returncode == 0, kd.stderr[-3000:]
+    rows, kd_rows = losses(tmp_path / "sft"), losses(tmp_path / "kd")
+    assert all(r["loss"] == pytest.approx(r["sft"], rel=1e-6) and r["kd"] == 0.0 for r in rows)
+    assert rows[0]["sft"] == pytest.approx(kd_rows[0]["sft"], rel=1e-5)
+    assert kd_rows[0]["loss"] != pytest.approx(kd_rows[0]["sft"], rel=1e-3)      # a KD run's loss is not its CE
+    assert sum(r["sft"] for r in rows[-3:]) < 0.9 * sum(r["sft"] for r in rows[:3])
+    summary = json.load(open(tmp_path / "sft" / "train_summary.json"))
+    assert summary["loss_path"].startswith("fused head") and summary["loss_chunk"] == 512
+    assert summary["loss_chunk_from"] == "the default for the student's vocabulary"
+    assert "the default chunk for this vocabulary" in res.stdout
+
+
 @pytest.fixture(scope="module")
 def base_run(setup):
     """Three steps of batch 4 in cache order: the reference other runs must reproduce."""
