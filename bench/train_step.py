@@ -103,7 +103,11 @@ def steps(args, vocab, hidden, batch):
 
 
 class LiveBytes:
-    """Peak bytes of tensor storages created while active (a dispatch mode; inputs made before do not count)."""
+    """Peak bytes of tensor storages alive while active (a dispatch mode), those of `skip` (the inputs: hidden
+    states, the head's weight) left out: a view of an input seen inside would otherwise count it."""
+
+    def __init__(self, skip=()):
+        self.skip = {t.untyped_storage().data_ptr() for t in skip}
 
     def __enter__(self):
         import weakref
@@ -116,7 +120,7 @@ class LiveBytes:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor):
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in outer.skip:
                         st = t.untyped_storage()
                         outer.live.setdefault(id(st), (weakref.ref(st), st.nbytes()))
                 outer.live = {k: v for k, v in outer.live.items() if v[0]() is not None}
@@ -140,7 +144,7 @@ def loss_memory(vocab, hidden, n, k, chunk, closed):
     tid = torch.randint(0, vocab, (n, k), generator=g)
     tid = torch.where(torch.arange(k) == 0, tid, (tid[:, :1] + torch.arange(k)) % vocab)       # unique per row
     tail = (1 - tlp.exp().sum(-1)).clamp(0, 1)
-    with LiveBytes() as mem:
+    with LiveBytes(skip=(h, w, tid, tlp, tail)) as mem:
         loss, _ = chunked_kd_loss(h, w, tid, tlp, tail, tid[:, 0], LossConfig(beta=0.5, chunk_size=chunk),
                                   closed_form=closed)
         loss.backward()
@@ -154,6 +158,7 @@ def main():
     ap.add_argument("--k", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--memory-only", action="store_true", help="only the loss's peak memory (no step times)")
     ap.add_argument("--_memory", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._memory:
@@ -169,7 +174,12 @@ def main():
         for hidden in (int(h) for h in args.hiddens.split(",")):
             with tempfile.TemporaryDirectory() as d:
                 batch = cache_batch(vocab, args.k, 8, 256, os.path.join(d, "cache"))
-            t, new_chunk, old_chunk = steps(args, vocab, hidden, batch)
+            if args.memory_only:
+                nan = float("nan")
+                t, new_chunk, old_chunk = dict.fromkeys(("hf_sft", "sft_fused", "kd_old", "kd_new"), nan), \
+                    default_chunk(vocab), OLD_CHUNK.get(vocab, 256)
+            else:
+                t, new_chunk, old_chunk = steps(args, vocab, hidden, batch)
             mem = {}
             for label, chunk, closed in (("old", old_chunk, False), ("new", new_chunk, True)):
                 if args.no_memory:

@@ -195,15 +195,17 @@ def check_order(path, order, new_cache=False):
     raise TrainDataError(f"{path} cannot be resumed by this run: " + "; ".join(differ) + f". To go on, {hint}.")
 
 
-def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, keep, order):
-    """Save on every rank (collective), then commit on rank 0. order: what the reader positions refer to."""
+def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, keep, order, lora=None):
+    """Save on every rank (collective), then commit on rank 0. order: what the reader positions refer to.
+    lora: a LoRA run's settings (train/lora.py): the checkpoint then holds the adapters and their optimizer state
+    only, not the frozen base weights (the run reloads those from --student)."""
     tmp = os.path.join(out, CKPT_DIR, f".tmp-step-{step:08d}")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)      # left by a crash during an earlier save
         os.makedirs(tmp)
     barrier()
     try:
-        engine.save_checkpoint(tmp, tag=TAG, client_state=client_state)
+        engine.save_checkpoint(tmp, tag=TAG, client_state=client_state, exclude_frozen_parameters=lora is not None)
         # Per-rank state: RNG (python/numpy/torch) and the reader's position, as JSON.
         atomic_write_bytes(os.path.join(tmp, f"rank-{rank:05d}.json"),
                            json.dumps({"rng": rng_state(), "reader": rank_state}).encode())
@@ -217,7 +219,8 @@ def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, k
             run_id = read_run_id(out)
         fsync_tree(tmp)
         atomic_write_bytes(os.path.join(tmp, "complete.json"),
-                           json.dumps({"step": step, "world_size": world, "data": order, "run_id": run_id}).encode())
+                           json.dumps({"step": step, "world_size": world, "data": order, "run_id": run_id,
+                                       "lora": lora}).encode())
         final = _final_dir(out, step, run_id)
         if os.path.lexists(final):      # this run's own step, saved again: the old copy aside first, never a gap
             old = f"{final}.old-{os.getpid()}"
@@ -260,11 +263,18 @@ def _prune(out, run_id, step, keep):
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load(engine, path, rank):
-    """Restore engine, optimizer and scheduler; return (client_state, this rank's saved state)."""
+def saved_lora(path):
+    """The LoRA settings checkpoint `path` was saved with (None: full fine-tuning)."""
+    with open(os.path.join(path, "complete.json")) as f:
+        return json.load(f).get("lora")
+
+
+def load(engine, path, rank, adapters_only=False):
+    """Restore engine, optimizer and scheduler; return (client_state, this rank's saved state).
+    adapters_only: a LoRA checkpoint, which holds only the trainable weights (the rest is --student's)."""
     meta = json.load(open(os.path.join(path, "complete.json")))
     _, client_state = engine.load_checkpoint(path, tag=TAG, load_optimizer_states=True,
-                                             load_lr_scheduler_states=True)
+                                             load_lr_scheduler_states=True, load_module_strict=not adapters_only)
     own = os.path.join(path, f"rank-{rank:05d}.json")
     if not os.path.isfile(own):
         raise FileNotFoundError(f"{path} was saved with {meta['world_size']} rank(s); rank {rank} has no state "

@@ -9,6 +9,7 @@ from kdcache.cache_format.manifest import load_manifest
 from kdcache.cache_format.record import lacks_end_of_turn
 from kdcache.common.errors import ConfigError, TrainDataError
 
+from . import lora
 from .model import check_tokenizer, load_tokenizer
 
 
@@ -20,6 +21,13 @@ def check_inputs(cfg):
     if not os.path.exists(cfg.student):
         raise ConfigError(f"student: {cfg.student} does not exist (a model directory, or a config.json for a "
                           "fresh student)")
+    lora.refuse_adapter_dir(cfg.student)
+    if cfg.lora_r:
+        lora.check_peft()
+        if not os.path.isdir(cfg.student) or not any(f.endswith((".safetensors", ".bin"))
+                                                     for f in os.listdir(cfg.student)):
+            raise ConfigError(f"lora_r: {cfg.student} has no weights (a fresh student from a config): LoRA trains "
+                              "adapters on a pretrained student's frozen weights. Train it without --lora-r")
     tok = load_tokenizer(cfg)
     check_tokenizer(tok, manifest, cfg.cache)                       # rule 2: token-exact or refused
     mix = load_manifest(cfg.mix_cache) if cfg.mix_cache else None

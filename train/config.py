@@ -26,6 +26,12 @@ class TrainConfig:
     sft_alpha: float = field(0.0, "weight of the cross-entropy term on the cached completion tokens")
     loss_chunk: int = field(0, "positions per loss chunk (bounds [chunk, vocab] float32 memory); 0 = by the "
                                "student's vocabulary: 512 up to 524,288 ids, fewer past that (train/loss_config.py)")
+    # LoRA (PEFT)
+    lora_r: int = field(0, "LoRA rank: train adapters through PEFT instead of every weight (0 = off, full weights)")
+    lora_alpha: float = field(0.0, "LoRA alpha (0 = 2 x --lora-r)")
+    lora_dropout: float = field(0.0, "LoRA dropout")
+    lora_targets: str = field("", "modules that get adapters: names (comma-separated) or all-linear; default the "
+                                  "attention and MLP projections the student has (the output head only if named)")
     # optimisation
     lr: float = field(5e-4, "peak learning rate (AdamW)")
     min_lr_ratio: float = field(0.1, "final learning rate as a fraction of lr (cosine decay)")
@@ -71,6 +77,9 @@ class TrainConfig:
     def __post_init__(self):
         validate(self, required=("cache", "student", "out"), checks=[
             ("loss_chunk", self.loss_chunk >= 0, "must be >= 0 (0: by vocabulary)"),
+            ("lora_r", self.lora_r >= 0, "must be >= 0 (0: full fine-tuning)"),
+            ("lora_alpha", self.lora_alpha >= 0, "must be >= 0 (0: 2 x --lora-r)"),
+            ("lora_dropout", 0.0 <= self.lora_dropout < 1.0, "must be in [0, 1)"),
             ("nproc_per_node", self.nproc_per_node >= 1, "must be >= 1"),
             ("lr", self.lr > 0, "must be > 0"),
             ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]"),

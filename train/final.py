@@ -4,6 +4,8 @@ import os
 
 from kdcache.common.atomic import publish, remove
 
+from . import lora
+
 
 def stops_like_the_teacher(model, tok, manifest):
     """Make the saved student stop where the teacher stops (rule 1 at inference, not only in the loss): its
@@ -34,7 +36,11 @@ def save_final(model, tok, path, rank, stage):
             tmp = os.path.join(head, f".{tail}.tmp-{os.getpid()}")
             remove(tmp)                     # our pid's leftover from an earlier crash, if any
             try:
-                model.save_pretrained(tmp, safe_serialization=True)
+                if lora.is_lora(model):             # the merged model, and the adapter as PEFT saves it
+                    lora.merged(model).save_pretrained(tmp, safe_serialization=True)
+                    model.save_pretrained(os.path.join(tmp, "adapter"), safe_serialization=True)
+                else:
+                    model.save_pretrained(tmp, safe_serialization=True)
                 tok.save_pretrained(tmp)
                 publish(tmp, path)
             except BaseException:

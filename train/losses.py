@@ -207,12 +207,14 @@ class _FusedChunks(torch.autograd.Function):
                 target_logprobs, behavior_logprobs, topk_weights, closed_form):
         # grad_mode: whether autograd records at the call (inside forward it never does); under torch.no_grad()
         # (an eval pass) no gradient is built, whatever the inputs' requires_grad.
-        need = grad_mode and any(ctx.needs_input_grad[:3])
+        # A frozen head (a LoRA student's) gets no [V, H] gradient: a third of the head's matrix work saved.
+        want_h, want_w, want_b = (grad_mode and bool(x) for x in ctx.needs_input_grad[:3])
+        need = want_h or want_w or want_b
         h32, w32 = hidden.float(), weight.float()
         b32 = None if bias is None else bias.float()
-        gh = torch.zeros_like(h32) if need else None
-        gw = torch.zeros_like(w32) if need else None
-        gb = torch.zeros_like(b32) if need and b32 is not None else None
+        gh = torch.zeros_like(h32) if want_h else None
+        gw = torch.zeros_like(w32) if want_w else None
+        gb = torch.zeros_like(b32) if want_b and b32 is not None else None
         ids_all, valid_all = obj.valid_ids(topk_ids)
         sums = torch.zeros(3, dtype=torch.float32, device=hidden.device)
         for lo in range(0, hidden.shape[0], cfg.chunk_size):
@@ -231,13 +233,17 @@ class _FusedChunks(torch.autograd.Function):
                                                    need, extra)
             del u
             if need:
-                gh[sl] = du @ w32
-                gw.addmm_(du.T, hc)
+                if gh is not None:
+                    gh[sl] = du @ w32
+                if gw is not None:
+                    gw.addmm_(du.T, hc)
                 if gb is not None:
                     gb += du.sum(0)
                 del du
             sums += torch.stack([loss.detach(), kd, ce])
-        ctx.save_for_backward(gh, gw, gb)
+        # Kept on ctx, not save_for_backward: backward drops ctx's reference before it returns them, so autograd
+        # takes each gradient as the parameter's .grad instead of copying it (one [V, H] float32 less at H = 1,024).
+        ctx.grads = [gh, gw, gb]
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         loss, kd, ce = sums.unbind()
         ctx.mark_non_differentiable(kd, ce)
@@ -245,10 +251,15 @@ class _FusedChunks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_kd, _g_ce):
-        gh, gw, gb = ctx.saved_tensors
-        dh, dw, db = ctx.dtypes
-        return ((gh * g_loss).to(dh) if gh is not None else None, (gw * g_loss).to(dw) if gw is not None else None,
-                (gb * g_loss).to(db) if gb is not None else None, *([None] * 11))
+        # Scaled in place and handed over: a second [V, H] copy of the head's gradient would be the loss's
+        # largest tensor at a hidden size of 1,024 and more. So the graph is good for one backward.
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError("kdcache's fused loss was back-propagated twice (retain_graph=True): its gradients "
+                               "were taken in the forward pass and handed over by the first backward")
+        out = [None if g is None else g.mul_(g_loss).to(dt) for g, dt in zip(grads, ctx.dtypes)]
+        del grads
+        return (*out, *([None] * 11))
 
 
 def chunked_kd_loss(hidden: Tensor, lm_head_weight: Tensor, topk_ids: Tensor, topk_logprobs: Tensor,

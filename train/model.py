@@ -8,6 +8,7 @@ from kdcache.cache_format.tokenizer_id import diff_identity, tokenizer_identity
 from kdcache.common.errors import TokenizerMismatch
 from kdcache.common.heads import check_head, decoder_of, logit_transform
 
+from . import lora
 from .batch import Batch
 from .losses import LossConfig, chunked_kd_loss, kd_loss_from_logits
 
@@ -79,6 +80,16 @@ class DistillModule(nn.Module):
                     deepspeed.zero.register_external_parameter(self, p)
         self.path = ("the model's own logits" if self.own_forward else
                      f"fused head, {loss_cfg.chunk_size} rows at a time" if self.chunked else "dense head logits")
+
+    def state_dict(self, *args, **kwargs):
+        """A LoRA student's state is its adapters: DeepSpeed's checkpoints then hold those alone (the frozen base,
+        tied head included, is reloaded from --student), and load them back with strict=False."""
+        sd = super().state_dict(*args, **kwargs)
+        if not lora.is_lora(self.model):
+            return sd
+        prefix = kwargs.get("prefix", "")
+        keep = {prefix + n for n, p in self.named_parameters() if p.requires_grad}
+        return type(sd)((k, v) for k, v in sd.items() if k in keep)
 
     def forward(self, b: Batch):
         cfg = self.by_objective[b.objective] if b.objective else self.loss_cfg

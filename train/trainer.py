@@ -20,7 +20,7 @@ from kdcache.common.errors import TrainDataError
 from kdcache.common.progress import bar
 from kdcache.common.signals import StopFlag
 
-from . import checkpoint
+from . import checkpoint, lora
 from .batch import collate
 from .checks import check_inputs, check_records, check_token_rkl_records
 from .data import CacheStream
@@ -55,6 +55,7 @@ class Run:
     objectives: dict = None    # {"main": ..., "mix": ...}: what each cache's micro-batches train (checks.objectives)
     out_lock: object = None    # rank 0's lock on --out (lock_out), held until the process ends
     stop: StopFlag = None      # installed by setup(): a signal during start-up stops the run before a step
+    params: dict = None        # {"trainable": N, "total": M} parameter counts (LoRA trains only its adapters)
 
 
 # ---------------------------------------------------------------------------- the recipe
@@ -155,6 +156,12 @@ def _setup(cfg):
         stream = MixedStream(stream, open_stream(cfg, cfg.mix_cache, rank, world), cfg.mix_lambda, cfg.seed)
     model = load_student(cfg.student, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
     student_vocab = model.get_input_embeddings().weight.shape[0]      # before ZeRO-3 partitions it
+    if cfg.lora_r:
+        model = lora.wrap(model, cfg)
+    params = lora.counts(model)
+    if rank == 0:
+        print(f"student: {params['trainable']:,} of {params['total']:,} parameters train"
+              + (f" (LoRA {lora.settings(cfg)})" if cfg.lora_r else ""), flush=True)
     ds_cfg = deepspeed_config(cfg)
     stage = ds_cfg.get("zero_optimization", {}).get("stage", 0)
     module = DistillModule(model, cfg.loss_config(student_vocab), zero3=stage == 3,
@@ -167,17 +174,19 @@ def _setup(cfg):
     else:
         steps, = all_reduce([max(1, stream.count_batches(cfg.epochs) // cfg.grad_accum)], op="min")
         total_steps = int(steps)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg)
     run = Run(cfg, rank, world, stream, tok, engine, scheduler, stage,
               pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
               student_vocab=student_vocab, total_steps=total_steps, objectives=objs, out_lock=out_lock,
-              end_step=min(cfg.until_step or total_steps, total_steps))
+              end_step=min(cfg.until_step or total_steps, total_steps), params=params)
     ckpt = checkpoint.resolve_resume(cfg.out, cfg.resume)     # engine, optimizer, scheduler, RNG, reader position
     if ckpt:
         run.fresh_reader = checkpoint.check_order(ckpt, stream.order(), new_cache=cfg.new_cache)
-        client, reader_state = checkpoint.load(engine, ckpt, rank)
+        lora.check_resume(checkpoint.saved_lora(ckpt), lora.settings(cfg), ckpt)
+        client, reader_state = checkpoint.load(engine, ckpt, rank, adapters_only=bool(cfg.lora_r))
         run.step = int(client["step"])
         if run.fresh_reader:
             stream.carry_over(reader_state)
@@ -300,6 +309,7 @@ def finish(run, reason, resume_cmd):
                                        "damaged_shards_skipped": stream.damaged,
                                        "samples_untrained": untrained, "outside_vocab": outside,
                                        "loss_path": run.engine.module.path,
+                                       "parameters": run.params, "lora": lora.settings(cfg),
                                        "loss_chunk": run.engine.module.loss_cfg.chunk_size,
                                        "loss_chunk_from": "--loss-chunk" if cfg.loss_chunk else
                                        "the default for the student's vocabulary"}).encode())
@@ -334,7 +344,7 @@ def save(run):
     import torch.distributed as dist
     checkpoint.save(run.engine, run.cfg.out, run.step, rank=run.rank, world=run.world,
                     client_state={"step": run.step}, rank_state=run.stream.state_dict(), barrier=dist.barrier,
-                    keep=run.cfg.keep_checkpoints, order=run.stream.order())
+                    keep=run.cfg.keep_checkpoints, order=run.stream.order(), lora=lora.settings(run.cfg))
 
 
 def _untrained(run):

@@ -322,3 +322,27 @@ def test_the_default_chunk_holds_at_most_four_blocks(setting):
         peaks[closed] = mode.peak / (chunk * v)
     assert chunk == 512 and peaks[True] <= 4.0, peaks
     assert peaks[False] > peaks[True], peaks
+
+
+def test_a_frozen_head_gets_no_gradient_and_the_hidden_states_the_same():
+    hidden, weight, bias, ids, lp, tail, targets = case(6, pad=True)
+    cfg = LossConfig(beta=0.5, sft_alpha=0.2, chunk_size=4)
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    w_frozen, w_live = weight.clone(), weight.clone().requires_grad_()
+    a, _ = chunked_kd_loss(h1, w_frozen, ids, lp, tail, targets, cfg)
+    b, _ = chunked_kd_loss(h2, w_live, ids, lp, tail, targets, cfg)
+    a.backward()
+    b.backward()
+    assert w_frozen.grad is None and w_live.grad is not None
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=0, atol=0)
+
+
+def test_a_second_backward_is_refused_not_scaled_twice():
+    # The head's gradient is handed to .grad in place by the first backward (no [V, H] copy): a second one
+    # (retain_graph=True) would return it scaled again, so it is refused by name.
+    hidden, weight, bias, ids, lp, tail, targets = case(7)
+    loss, _ = chunked_kd_loss(hidden.requires_grad_(), weight.requires_grad_(), ids, lp, tail, targets,
+                              LossConfig(chunk_size=4))
+    (2 * loss).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="back-propagated twice"):
+        loss.backward()

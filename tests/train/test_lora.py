@@ -1,0 +1,130 @@
+"""`kdcache train --lora-r R`: a LoRA student through PEFT. Only the adapters train; OUT/final is the merged model
+and OUT/final/adapter the adapter; checkpoints hold the adapters only; resume is exact; bad settings are refused."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from tests.helpers.cli import user_env, user_project
+from tests.train.common import losses, make_setup, run, train_cmd
+
+pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny, tmp_path_factory):
+    """The trainer tests' cache, and a pretrained student (weights on disk): LoRA adapts frozen weights."""
+    from kdcache.demo.models import make_model, save
+    s = make_setup(tiny, tmp_path_factory)
+    save(make_model(tiny["tok"], "test", seed=5), tiny["tok"], str(s["dir"] / "pretrained"))
+    return dict(s, student=s["dir"] / "pretrained")
+
+
+LORA = ("--lora-r", 4, "--batch-size", 2, "--no-shuffle")
+
+
+def weights(path):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def straight(setup, steps=8):
+    out = setup["dir"] / f"lora-straight-{steps}"
+    if not (out / "train_summary.json").exists():
+        res = run(train_cmd(setup, out, "--max-steps", steps, *LORA, "--save-every", 0))
+        assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def test_only_the_adapters_train_and_final_is_base_plus_adapter(setup):
+    out = straight(setup)
+    summary = json.load(open(out / "train_summary.json"))
+    p = summary["parameters"]
+    assert 0 < p["trainable"] < 0.2 * p["total"], p
+    assert summary["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.0, "targets": "default"}
+    assert summary["loss_path"].startswith("fused head")                  # the head frozen, still fused
+    base, final = weights(setup["student"]), weights(out / "final")
+    assert base.keys() == final.keys()                                    # the merged model: stock names, no lora_*
+    moved = {k for k in base if not torch.equal(base[k], final[k])}
+    assert moved and all(any(t in k for t in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj")) for k in moved), moved
+    untouched = [k for k in base if "embed" in k or "norm" in k]
+    assert untouched and all(torch.equal(base[k], final[k]) for k in untouched)   # bit-equal to the base
+    # PEFT's own loading of the adapter onto the base gives final's logits; final stops like the teacher
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    merged = AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(setup["student"]),
+                                        out / "final" / "adapter").eval()
+    ids = torch.tensor([[5, 17, 33, 2, 9, 41, 7, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5,
+                                   rtol=1e-5)
+    cache_eos = json.load(open(setup["cache"] / "manifest.json"))["eos_token_ids"]
+    assert sorted(merged.generation_config.eos_token_id) == sorted(cache_eos)
+
+
+def test_checkpoints_hold_the_adapters_not_the_base(setup, tmp_path):
+    out = tmp_path / "o"
+    res = run(train_cmd(setup, out, "--max-steps", 2, *LORA, "--save-every", 2))
+    assert res.returncode == 0, res.stderr[-3000:]
+    full = tmp_path / "full"
+    res = run(train_cmd(setup, full, "--max-steps", 2, "--batch-size", 2, "--no-shuffle", "--save-every", 2))
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    def size(d):
+        return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+    lora_bytes, full_bytes = size(out / "checkpoints"), size(full / "checkpoints")
+    assert lora_bytes < 0.3 * full_bytes, (lora_bytes, full_bytes)
+    states = list((out / "checkpoints").rglob("mp_rank_00_model_states.pt"))
+    assert len(states) == 1
+    module = torch.load(states[0], map_location="cpu", weights_only=False)["module"]
+    assert module and all("lora_" in k for k in module), [k for k in module if "lora_" not in k][:5]
+
+
+def test_sigterm_and_kill9_then_resume_give_the_straight_runs_losses(setup, tmp_path):
+    want = [r["loss"] for r in losses(straight(setup))]
+    out = tmp_path / "o"
+    cmd = train_cmd(setup, out, "--max-steps", 8, *LORA, "--save-every", 2)
+    first = run(cmd + ["--stop-after", "3"])
+    assert first.returncode == 0 and "stopped by stop_after" in first.stdout, first.stderr[-3000:]
+    proc = subprocess.Popen(cmd, cwd=user_project(), env=user_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and len(losses(out)) < 6:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)                                   # the fault lands mid-run
+    output, _ = proc.communicate(timeout=60)
+    assert "resumed from" in output and 6 <= len(losses(out)) < 8
+    res = run(cmd)
+    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-3000:]
+    got = losses(out)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    assert [r["loss"] for r in got] == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+
+def test_a_changed_lora_setting_is_refused_on_resume(setup, tmp_path):
+    out = tmp_path / "o"
+    res = run(train_cmd(setup, out, "--max-steps", 4, *LORA, "--save-every", 2, "--stop-after", 2))
+    assert res.returncode == 0, res.stderr[-3000:]
+    again = run(train_cmd(setup, out, "--max-steps", 4, "--lora-r", 8, "--batch-size", 2, "--no-shuffle"))
+    assert again.returncode != 0 and "r 4 there, 8 here" in again.stderr, again.stderr[-2000:]
+    full = run(train_cmd(setup, out, "--max-steps", 4, "--batch-size", 2, "--no-shuffle"))
+    assert full.returncode != 0 and "full fine-tuning" in full.stderr, full.stderr[-2000:]
+
+
+def test_bad_lora_settings_are_refused_by_name(setup, tmp_path):
+    res = run(train_cmd(setup, tmp_path / "a", "--max-steps", 2, *LORA, "--lora-targets", "q_proj,qkv"))
+    assert res.returncode != 0 and "['qkv'] match no linear module" in res.stderr and "'v_proj'" in res.stderr, \
+        res.stderr[-2000:]
+    adapter = straight(setup) / "final" / "adapter"
+    res = run(train_cmd(dict(setup, student=adapter), tmp_path / "b", "--max-steps", 2, *LORA))
+    assert res.returncode != 0 and "is a PEFT adapter" in res.stderr, res.stderr[-2000:]
+    fresh = dict(setup, student=setup["dir"] / "student")                     # a config, no weights
+    res = run(train_cmd(fresh, tmp_path / "c", "--max-steps", 2, *LORA))
+    assert res.returncode != 0 and "has no weights" in res.stderr, res.stderr[-2000:]
