@@ -205,7 +205,8 @@ def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, k
         os.makedirs(tmp)
     barrier()
     try:
-        engine.save_checkpoint(tmp, tag=TAG, client_state=client_state, exclude_frozen_parameters=lora is not None)
+        # A LoRA run's module state is its adapters alone (train/model.py DistillModule.state_dict).
+        engine.save_checkpoint(tmp, tag=TAG, client_state=client_state)
         # Per-rank state: RNG (python/numpy/torch) and the reader's position, as JSON.
         atomic_write_bytes(os.path.join(tmp, f"rank-{rank:05d}.json"),
                            json.dumps({"rng": rng_state(), "reader": rank_state}).encode())
@@ -273,8 +274,9 @@ def load(engine, path, rank, adapters_only=False):
     """Restore engine, optimizer and scheduler; return (client_state, this rank's saved state).
     adapters_only: a LoRA checkpoint, which holds only the trainable weights (the rest is --student's)."""
     meta = json.load(open(os.path.join(path, "complete.json")))
+    lenient = {"load_module_strict": False} if adapters_only else {}
     _, client_state = engine.load_checkpoint(path, tag=TAG, load_optimizer_states=True,
-                                             load_lr_scheduler_states=True, load_module_strict=not adapters_only)
+                                             load_lr_scheduler_states=True, **lenient)
     own = os.path.join(path, f"rank-{rank:05d}.json")
     if not os.path.isfile(own):
         raise FileNotFoundError(f"{path} was saved with {meta['world_size']} rank(s); rank {rank} has no state "

@@ -73,6 +73,8 @@ def wrap(model, cfg):
     s = settings(cfg)
     config = peft.LoraConfig(r=s["r"], lora_alpha=s["alpha"], lora_dropout=s["dropout"],
                              target_modules=target_modules(model, cfg.lora_targets), task_type="CAUSAL_LM")
+    import torch
+    torch.manual_seed(cfg.seed)             # lora_A's random start: the same adapters for the same --seed
     return peft.get_peft_model(model, config)
 
 

@@ -128,3 +128,39 @@ def test_bad_lora_settings_are_refused_by_name(setup, tmp_path):
     fresh = dict(setup, student=setup["dir"] / "student")                     # a config, no weights
     res = run(train_cmd(fresh, tmp_path / "c", "--max-steps", 2, *LORA))
     assert res.returncode != 0 and "has no weights" in res.stderr, res.stderr[-2000:]
+
+
+def test_peft_missing_or_too_old_is_refused_naming_the_version(monkeypatch):
+    import sys
+    import types
+
+    from kdcache.common.errors import ConfigError
+    from kdcache.train import lora
+    monkeypatch.setitem(sys.modules, "peft", types.SimpleNamespace(__version__="0.10.0"))
+    with pytest.raises(ConfigError, match=r"PEFT >= 0\.13; this is 0\.10\.0"):
+        lora.check_peft()
+    monkeypatch.setitem(sys.modules, "peft", None)                     # import peft raises ImportError
+    with pytest.raises(ConfigError, match="not installed"):
+        lora.check_peft()
+
+
+def test_two_ranks_under_zero_2_and_3_train_the_same_adapters(setup, tmp_path):
+    # LoRA under DeepSpeed's sharded optimizers, two processes (torchrun): the frozen base is never in the
+    # optimizer, ZeRO-3 partitions it all the same; both stages give ZeRO-2's losses and adapters.
+    import sys
+
+    from tests.helpers.cli import user_env as env_of
+
+    def two(stage, out):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(29537 + stage), "-m", "kdcache", *train_cmd(setup, out, "--max-steps", 3, *LORA, "--save-every",
+                                                               0, "--threads", 1, "--deepspeed", stage)[3:]]
+        res = run(cmd, env=env_of())
+        assert res.returncode == 0, res.stderr[-3000:]
+        return [r["loss"] for r in losses(out)]
+    a, b = two(2, tmp_path / "z2"), two(3, tmp_path / "z3")
+    assert a == pytest.approx(b, rel=1e-4)
+    wa, wb = weights(tmp_path / "z2" / "final"), weights(tmp_path / "z3" / "final")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=1e-3)
+    assert (tmp_path / "z3" / "final" / "adapter" / "adapter_model.safetensors").stat().st_size > 0
