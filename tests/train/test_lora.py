@@ -164,3 +164,20 @@ def test_two_ranks_under_zero_2_and_3_train_the_same_adapters(setup, tmp_path):
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=1e-3)
     assert (tmp_path / "z3" / "final" / "adapter" / "adapter_model.safetensors").stat().st_size > 0
+
+
+@pytest.mark.parametrize("extra", [("--pack", "--max-tokens", 128), ("--max-tokens", 96), ("--objective", "sft"),
+                                   ("--sft-alpha", 0.5, "--grad-accum", 2), ("--nproc-per-node", 2, "--threads", 1),
+                                   ("--mix-cache", "CACHE", "--mix-lambda", 0.5)],
+                         ids=["pack", "max-tokens", "sft", "sft-term-accum", "two-ranks", "mix-cache"])
+def test_lora_runs_with_the_trainers_other_settings(setup, tmp_path, extra):
+    extra = [setup["cache"] if x == "CACHE" else x for x in extra]
+    out = tmp_path / "o"
+    res = run(train_cmd(setup, out, "--max-steps", 3, *LORA, "--save-every", 0, *extra))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len(losses(out)) == 3
+    summary = json.load(open(out / "train_summary.json"))
+    assert summary["lora"]["r"] == 4 and summary["parameters"]["trainable"] < summary["parameters"]["total"]
+    base, final = weights(setup["student"]), weights(out / "final")
+    assert any(not torch.equal(base[k], final[k]) for k in base if "proj" in k)
+    assert all(torch.equal(base[k], final[k]) for k in base if "embed" in k or "norm" in k)
