@@ -10,7 +10,7 @@ from kdcache.cache_format.record import lacks_end_of_turn
 from kdcache.common.errors import ConfigError, TrainDataError
 
 from . import lora
-from .model import check_tokenizer, load_tokenizer
+from .model import check_tokenizer, has_weights, load_tokenizer
 
 
 def check_inputs(cfg):
@@ -24,8 +24,7 @@ def check_inputs(cfg):
     lora.refuse_adapter_dir(cfg.student)
     if cfg.lora_r:
         lora.check_peft()
-        if not os.path.isdir(cfg.student) or not any(f.endswith((".safetensors", ".bin"))
-                                                     for f in os.listdir(cfg.student)):
+        if not has_weights(cfg.student):
             raise ConfigError(f"lora_r: {cfg.student} has no weights (a fresh student from a config): LoRA trains "
                               "adapters on a pretrained student's frozen weights. Train it without --lora-r")
     tok = load_tokenizer(cfg)

@@ -96,7 +96,7 @@ def _chunk(z: Tensor, ids: Tensor, valid: Tensor, targets: Tensor, cfg: LossConf
     topk_logprobs, tail_mass, target_logprobs, behavior_logprobs, topk_weights = extra
     sampled = topk_weights is not None
     want_top, want_tail, want_tau = obj.needs(cfg, sampled)
-    c, v = z.shape
+    v = z.shape[1]
     m = z.amax(-1, keepdim=True)
     e = (z - m).exp_()                                        # [c, V]: S * total
     total = e.sum(-1)
@@ -169,7 +169,7 @@ def _tempered_grad(q: Tensor, q_total: Tensor, g_tau: Tensor, cols: Tensor, tau:
     return q.div_(tau)
 
 
-def _chunk_autograd(u, transform, ids, valid, targets, cfg, need, extra):
+def _chunk_autograd(u, transform, ids, targets, cfg, need, extra):
     """_chunk through autograd on [c, V], from lm_head's output u (kdcache before issue 43: the reference for the
     tests and bench/train_step.py's "old" column). Returns (loss, kd, ce, dL/du or None)."""
     topk_logprobs, tail_mass, target_logprobs, behavior_logprobs, topk_weights = extra
@@ -229,8 +229,7 @@ class _FusedChunks(torch.autograd.Function):
                 du = _transform_grad(transform, u, z, dz) if need else None
                 del z, dz
             else:
-                loss, kd, ce, du = _chunk_autograd(u, transform, ids_all[sl], valid_all[sl], targets[sl], cfg,
-                                                   need, extra)
+                loss, kd, ce, du = _chunk_autograd(u, transform, ids_all[sl], targets[sl], cfg, need, extra)
             del u
             if need:
                 if gh is not None:

@@ -13,11 +13,15 @@ from .batch import Batch
 from .losses import LossConfig, chunked_kd_loss, kd_loss_from_logits
 
 
+def has_weights(path) -> bool:
+    """Whether a student path is a model directory with weights (else a config for a fresh student)."""
+    return os.path.isdir(path) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
+
+
 def load_student(path, *, seed, trust_remote_code=False):
     """A model directory, or a config.json (file or directory without weights) for a fresh student."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    has_weights = os.path.isdir(path) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
-    if has_weights:
+    if has_weights(path):
         # dtype explicit: "auto" would run a float32 checkpoint in bf16 on some setups.
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -91,6 +91,21 @@ def signal_group_mid_run(proc, out, sig, steps):
     return output
 
 
+def kill9_mid_run(cmd, out, steps):
+    """Start `kdcache train` cmd in its own session and SIGKILL the whole group once out's metrics hold `steps`
+    rows (the fault lands mid-run, or the assertion says it could not). Returns the run's output."""
+    import signal
+    proc = subprocess.Popen(cmd, cwd=user_project(), env=user_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and len(losses(out)) < steps:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    output, _ = proc.communicate(timeout=60)
+    return output
+
+
 def first_shards(setup, where, n):
     """A copy of the setup cache cut to its first n shards (8 records each), as a complete cache."""
     import shutil

@@ -2,15 +2,11 @@
 and OUT/final/adapter the adapter; checkpoints hold the adapters only; resume is exact; bad settings are refused."""
 import json
 import os
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
 
-from tests.helpers.cli import user_env, user_project
-from tests.train.common import losses, make_setup, run, train_cmd
+from tests.train.common import kill9_mid_run, losses, make_setup, run, train_cmd
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -92,14 +88,7 @@ def test_sigterm_and_kill9_then_resume_give_the_straight_runs_losses(setup, tmp_
     cmd = train_cmd(setup, out, "--max-steps", 8, *LORA, "--save-every", 2)
     first = run(cmd + ["--stop-after", "3"])
     assert first.returncode == 0 and "stopped by stop_after" in first.stdout, first.stderr[-3000:]
-    proc = subprocess.Popen(cmd, cwd=user_project(), env=user_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and len(losses(out)) < 6:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)                                   # the fault lands mid-run
-    output, _ = proc.communicate(timeout=60)
+    output = kill9_mid_run(cmd, out, 6)                                   # the fault lands mid-run
     assert "resumed from" in output and 6 <= len(losses(out)) < 8
     res = run(cmd)
     assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-3000:]

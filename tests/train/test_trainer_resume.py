@@ -12,6 +12,7 @@ import pytest
 from tests.helpers.cli import user_env, user_project
 from tests.train.common import (
     first_shards,
+    kill9_mid_run,
     launched_two_ranks,
     losses,
     make_setup,
@@ -72,14 +73,7 @@ def test_kill9_mid_checkpoint_and_mid_step_then_resume_gives_identical_losses(se
     ck = out / "checkpoints"
     assert (ck / "step-00000002" / "complete.json").exists() and not (ck / "step-00000004").exists()
     assert len(losses(out)) == 4
-    proc = subprocess.Popen(cmd, cwd=user_project(), env=user_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and len(losses(out)) < 7:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    output, _ = proc.communicate(timeout=60)
+    output = kill9_mid_run(cmd, out, 7)
     assert "resumed from" in output and "step-00000002" in output
     assert 7 <= len(losses(out)) < 12
     res = run(cmd)
