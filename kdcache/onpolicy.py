@@ -39,12 +39,15 @@ from kdcache.stages import make_stages
 from kdcache.train.config import TrainConfig
 
 SUMMARY, CONFIG, LOCK = "summary.json", "onpolicy_config.yaml", ".onpolicy.lock"
+BASE = "base"    # --teacher base: the LoRA student's own base weights
 WAIT_S = 900     # how long a rerun waits for the stages of a killed run to finish their checkpoint
 
 
 @dataclass
 class OnpolicyConfig:
-    teacher: str = field("", "teacher model directory, or the URL of a vLLM server (as kdcache precompute)")
+    teacher: str = field("", "teacher model directory, the URL of a vLLM server (as kdcache precompute), or `base`: "
+                             "with --lora-r, the student's own base weights (its adapter disabled) score every round, "
+                             "which is self-distillation (a directory named base is ./base)")
     student: str = field("", "initial student model directory: it writes round 1's completions")
     data: str = field("", "prompts: records as in generate mode (.jsonl, .parquet, save_to_disk); the list cycles")
     out: str = field("", "run directory: summary.json, rounds/, store/, checkpoints, metrics.jsonl, final/")
@@ -108,8 +111,11 @@ def parse(argv):
     cfg = load(OnpolicyConfig, None, {k: v for k, v in values.items() if k in own})
     pre = {k: coerce(PrecomputeConfig, k, v) for k, v in values.items() if k in pre_keys}
     train = {k: coerce(TrainConfig, k, v) for k, v in values.items() if k in train_keys}
-    pre_cfg = PrecomputeConfig(**dict(pre, teacher=cfg.teacher, data=cfg.data, out=cfg.out))   # their own checks
+    pre_cfg = PrecomputeConfig(**dict(pre, teacher=teacher_of(cfg), data=cfg.data, out=cfg.out))  # their checks
     train_cfg = TrainConfig(**dict(train, cache="-", student=cfg.student, out=cfg.out))
+    if cfg.teacher == BASE and not train_cfg.lora_r:
+        raise ConfigError("teacher: `base` is the base weights under a LoRA student's adapter, and this run trains "
+                          "every weight (no --lora-r): pass --lora-r R, or a teacher directory")
     if train_cfg.objective == "token-rkl" and pre_cfg.gen_temperature <= 0:
         raise ConfigError("objective: token-rkl on greedy rollouts (--gen-temperature 0): a point mass is no "
                           "distribution to weight by, and the estimate on greedy tokens is not the reverse KL; "
@@ -167,14 +173,14 @@ def _rollout(cfg, pre, r, prompts, entry, stop, stages):
     picked = [prompts[(start + i) % len(prompts)] for i in range(cfg.prompts_per_round)]
     atomic_write_bytes(os.path.join(d, "prompts.jsonl"), "".join(line + "\n" for line in picked).encode())
     where = os.path.join(d, "cache.txt")
-    stage = dict(pre, teacher=cfg.teacher, data=os.path.join(d, "prompts.jsonl"),
+    stage = dict(pre, teacher=teacher_of(cfg), data=os.path.join(d, "prompts.jsonl"),
                  out=cfg.store or os.path.join(cfg.out, "store"), store=True,
                  alias=f"{os.path.basename(os.path.abspath(cfg.out))}-round-{r + 1}", mode="generate",
                  generator=student_of_round(cfg, r), location_file=where,
                  seed=int(pre.get("seed") or 0) + start)    # sample seeds: seed + the prompt's running number
     _write_yaml(os.path.join(d, "precompute.yaml"), stage)
     _say(f"round {r + 1}/{cfg.rounds}: {cfg.prompts_per_round} completions by {stage['generator']}, scored by "
-         f"{cfg.teacher}")
+         f"{stage['teacher']}{' (the base weights, adapter disabled)' if cfg.teacher == BASE else ''}")
     stages.precompute(os.path.join(d, "precompute.yaml"), stop, f"round {r + 1}")
     if not os.path.isfile(where):      # stopped before it knew where its cache goes
         return False
@@ -212,6 +218,12 @@ def _train(cfg, train, r, entry, stop, stages):
         return False
     entry.update(stage="trained", done=True, steps=[r * n + 1, until])
     return True
+
+
+def teacher_of(cfg):
+    """The teacher that scores each round. `base` is --student itself: a LoRA student's base weights never train,
+    so the model in --student is exactly the student with its adapter disabled (ms-swift's OPSD, tinker's SDFT)."""
+    return cfg.student if cfg.teacher == BASE else cfg.teacher
 
 
 def student_of_round(cfg, r):
@@ -294,7 +306,8 @@ def _resolved(part, values) -> dict:
     paths absolute (a relative --out is the same directory), runtime-only keys left out."""
     base = {"precompute": _defaults(PrecomputeConfig), "train": _defaults(TrainConfig)}.get(part, {})
     merged = {**base, **values}
-    return {k: (os.path.abspath(v) if k in PATHS and isinstance(v, str) and "://" not in v else v)
+    return {k: (os.path.abspath(v) if k in PATHS and isinstance(v, str) and "://" not in v
+                and not (k == "teacher" and v == BASE) else v)
             for k, v in merged.items() if k not in RUNTIME}
 
 
