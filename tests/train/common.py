@@ -91,19 +91,33 @@ def signal_group_mid_run(proc, out, sig, steps):
     return output
 
 
-def kill9_mid_run(cmd, out, steps):
-    """Start `kdcache train` cmd in its own session and SIGKILL the whole group once out's metrics hold `steps`
-    rows (the fault lands mid-run, or the assertion says it could not). Returns the run's output."""
+def signal_mid_run(cmd, out, steps, sig=None):
+    """Start `kdcache train` cmd in its own session (hang-ups not ignored, even when the suite runs under nohup)
+    and send `sig` (default SIGKILL) to the whole group once out's metrics hold `steps` rows: the group is frozen
+    first, so the fault lands at that count, or the assertion says it could not. Returns (output, rows logged
+    when the signal was sent)."""
     import signal
+    sig = signal.SIGKILL if sig is None else sig
     proc = subprocess.Popen(cmd, cwd=user_project(), env=user_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    def logged():
+        return len(losses(out)) if os.path.exists(os.path.join(out, "metrics.jsonl")) else 0
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and len(losses(out)) < steps:
+    while time.time() < deadline and proc.poll() is None and logged() < steps:
         time.sleep(0.02)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    output, _ = proc.communicate(timeout=60)
-    return output
+    assert proc.poll() is None, "the run finished before the signal could be sent"
+    os.killpg(proc.pid, signal.SIGSTOP)
+    at = logged()
+    os.killpg(proc.pid, sig)
+    os.killpg(proc.pid, signal.SIGCONT)
+    output, _ = proc.communicate(timeout=300)
+    return output, at
+
+
+def kill9_mid_run(cmd, out, steps):
+    """signal_mid_run with SIGKILL; returns the run's output."""
+    return signal_mid_run(cmd, out, steps)[0]
 
 
 def first_shards(setup, where, n):
