@@ -1,7 +1,10 @@
 """Distil a student from a kdcache cache with Hugging Face's Trainer: a compute_loss that calls kdcache.kd_loss.
 
     python examples/hf_trainer.py --cache CACHE --student STUDENT_DIR --out OUT [--steps 20] [--no-shuffle]
-                                  [--save-every N] [--resume OUT/checkpoint-N]
+                                  [--save-every N] [--resume OUT/checkpoint-N] [--lora-r R]
+
+With --lora-r R the student is the trained model in STUDENT_DIR with LoRA adapters (PEFT): only they train, OUT is
+the adapter (PeftModel.from_pretrained(base, OUT)) and OUT/merged the merged model.
 
 Resuming is exact: the Trainer fetches a batch ahead, so the dataset is told which batches were trained
 (CacheDataset.mark_trained), its state goes into each checkpoint (kdcache_dataset.json), and the Trainer's own
@@ -10,7 +13,7 @@ batch skipping is off (ignore_data_skip): the dataset continues where the traine
 import json
 import os
 
-from common import fresh_student, parse_args, to_inputs
+from common import lora_config, parse_args, save_merged, student, to_inputs
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import kdcache
@@ -56,7 +59,11 @@ def training_args(args, **extra):
 
 def main():
     args = parse_args(__doc__)
-    model, tok, vocab = fresh_student(args.student)
+    model, tok, vocab = student(args)
+    if args.lora_r:
+        from peft import get_peft_model
+        model = get_peft_model(model, lora_config(args))
+        model.print_trainable_parameters()
     dataset = kdcache.CacheDataset(args.cache, shuffle=args.shuffle, seed=0, epochs=None)
     if args.resume:
         with open(os.path.join(args.resume, STATE_FILE)) as f:
@@ -68,7 +75,9 @@ def main():
         callbacks=[SaveDatasetState(dataset)],
     )
     trainer.train(resume_from_checkpoint=args.resume)
-    trainer.save_model(args.out)
+    trainer.save_model(args.out)                   # a PEFT model: the adapter only
+    if args.lora_r:
+        save_merged(model, tok, args.out)
     with open(os.path.join(args.out, "kd_losses.json"), "w") as f:
         json.dump(KDTrainer.losses, f)
     print("step losses", KDTrainer.losses)

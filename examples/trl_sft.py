@@ -1,14 +1,17 @@
 """Distil a student from a kdcache cache with TRL's SFTTrainer: its data preparation is skipped (the cache holds
 the exact token ids) and compute_loss is hf_trainer.py's.
 
-    python examples/trl_sft.py --cache CACHE --student STUDENT_DIR --out OUT [--steps 20] [--no-shuffle]
+    python examples/trl_sft.py --cache CACHE --student STUDENT_DIR --out OUT [--steps 20] [--no-shuffle] [--lora-r R]
+
+With --lora-r R, SFTTrainer's own peft_config puts LoRA adapters on the trained model in STUDENT_DIR: only they
+train, OUT is the adapter and OUT/merged the merged model.
 """
 import json
 import os
 
 import datasets
 import numpy as np
-from common import fresh_student, parse_args, to_inputs
+from common import lora_config, parse_args, save_merged, student, to_inputs
 from hf_trainer import KDTrainer, training_args
 from trl import SFTConfig, SFTTrainer
 
@@ -36,9 +39,9 @@ def to_record(row):
 
 def main():
     args = parse_args(__doc__)
-    model, tok, vocab = fresh_student(args.student)
+    model, tok, vocab = student(args)
     trainer = KDSFTTrainer(
-        model=model, processing_class=tok,
+        model=model, processing_class=tok, peft_config=lora_config(args),
         args=SFTConfig(**training_args(args, remove_unused_columns=False,
                                        dataset_kwargs={"skip_prepare_dataset": True})),
         train_dataset=datasets.IterableDataset.from_generator(rows, gen_kwargs={"cache": args.cache,
@@ -47,7 +50,9 @@ def main():
                                                               pad_id=tok.pad_token_id or 0, student_vocab=vocab)),
     )
     trainer.train()
-    trainer.save_model(args.out)
+    trainer.save_model(args.out)                   # a PEFT model: the adapter only
+    if args.lora_r:
+        save_merged(trainer.model, tok, args.out)
     with open(os.path.join(args.out, "kd_losses.json"), "w") as f:
         json.dump(KDSFTTrainer.losses, f)
     print("step losses", KDSFTTrainer.losses)

@@ -28,7 +28,8 @@ def setup(tiny, tmp_path_factory):
     student = make_model(tiny["tok"], "test", seed=5)
     student.config.save_pretrained(str(d / "student"))
     tiny["tok"].save_pretrained(str(d / "student"))
-    return {"cache": str(d / "cache"), "student": str(d / "student"), "dir": d}
+    save(student, tiny["tok"], str(d / "pretrained"))          # weights: what a LoRA student adapts
+    return {"cache": str(d / "cache"), "student": str(d / "student"), "pretrained": str(d / "pretrained"), "dir": d}
 
 
 def recipe(name, setup, out, *extra):
@@ -85,3 +86,31 @@ def test_hf_trainer_recipe_equals_kdcache_train_and_resumes_exactly(setup, tmp_p
     assert len(got) == 3
     for a, b in zip(got, want[3:]):
         assert abs(a - b) < 1e-5 * max(1.0, abs(b)), (got, want[3:])
+
+
+@pytest.mark.parametrize("name", ["hf_trainer.py", "trl_sft.py", "plain_loop.py"])
+def test_recipes_with_lora_r_move_only_a_peft_adapter(setup, tmp_path, name):
+    """--lora-r 4: OUT is PEFT's adapter and OUT/merged the merged model. Against the base's weights on disk, only
+    the adapted projections moved (embeddings, norms and the head are bit-equal), and base + adapter, loaded by
+    PEFT, gives the merged model's logits."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "o"
+    recipe(name, dict(setup, student=setup["pretrained"]), out, "--lora-r", 4, "--no-shuffle", "--lr", 1e-2)
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert adapter and all("lora_" in k for k in adapter), list(adapter)[:5]
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())    # B starts at 0: it trained
+    base, merged = load_file(os.path.join(setup["pretrained"], "model.safetensors")), \
+        load_file(out / "merged" / "model.safetensors")
+    assert base.keys() == merged.keys()
+    moved = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert moved and all("proj" in k for k in moved), moved
+    assert all(torch.equal(base[k], merged[k]) for k in base if "embed" in k or "norm" in k or "lm_head" in k)
+    ids = torch.tensor([[5, 17, 33, 2, 9, 41, 7, 3]])
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(setup["pretrained"]), out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits,
+                                   AutoModelForCausalLM.from_pretrained(out / "merged")(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-5)
