@@ -3,9 +3,11 @@ and OUT/final/adapter the adapter; checkpoints hold the adapters only; resume is
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
+from kdcache.cache_format import open_cache
 from tests.train.common import losses, make_setup, run, signal_mid_run, train_cmd
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -180,6 +182,51 @@ def test_lora_runs_with_the_trainers_other_settings(setup, tmp_path, extra):
     assert len(losses(out)) == 3
     summary = json.load(open(out / "train_summary.json"))
     assert summary["lora"]["r"] == 4 and summary["parameters"]["trainable"] < summary["parameters"]["total"]
+    base, final = weights(setup["student"]), weights(out / "final")
+    assert any(not torch.equal(base[k], final[k]) for k in base if "proj" in k)
+    assert all(torch.equal(base[k], final[k]) for k in base if "embed" in k or "norm" in k)
+
+
+@pytest.fixture(scope="module")
+def policy_caches(setup, tiny):
+    """Two caches the other objectives need, from the setup's teacher over 8 chats: one of draws from the teacher
+    (--sample 8: the sampled forward KL) and one of completions the LoRA student's base sampled at temperature 1,
+    scored by the teacher (generate mode with --generator: token-rkl)."""
+    from tests.helpers.cli import precompute, write_jsonl
+    d, teacher = setup["dir"], setup["dir"] / "teacher"
+    data = write_jsonl(d / "policy.jsonl", tiny["train"][:8])
+    common = ["--teacher", teacher, "--data", data, "--backend", "hf", "--shard-size", 4]
+    res = precompute(*common, "--sample", 8, "--out", d / "sampled", shared_ray=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = precompute(*common, "--mode", "generate", "--generator", setup["student"], "--gen-temperature", 1.0,
+                     "--gen-max-new-tokens", 12, "--top-k", 8, "--out", d / "rollouts", shared_ray=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {"sampled": d / "sampled", "token-rkl": d / "rollouts"}
+
+
+@pytest.mark.parametrize("objective", ["sampled", "token-rkl"])
+def test_lora_trains_on_a_sampled_cache_and_with_token_rkl(setup, policy_caches, tmp_path, objective):
+    """The sampled forward KL (a --sample cache) and token-rkl (the base's own sampled completions) train only the
+    adapters through the fused head; the loss they log is theirs, and it falls."""
+    out = tmp_path / "o"
+    extra = ("--objective", "token-rkl") if objective == "token-rkl" else ()
+    cmd = train_cmd(dict(setup, cache=policy_caches[objective]), out, "--max-steps", 6, *LORA, "--save-every", 0,
+                    "--lr", 2e-2, "--batch-size", 8, *extra)      # step 1 is all 8 records
+    res = run(cmd)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = losses(out)
+    summary = json.load(open(out / "train_summary.json"))
+    assert len(rows) == 6 and summary["lora"]["r"] == 4
+    assert all(np.isfinite(r["kd"]) for r in rows) and rows[-1]["kd"] != rows[0]["kd"]
+    cache = open_cache(str(policy_caches[objective]))
+    if objective == "token-rkl":
+        # step 1: the adapters start at zero, so the student is its base, the policy that drew the tokens: the
+        # loss is the mean log-ratio log S(y) - log T(y) over every sampled token
+        ratios = np.concatenate([r.behavior_logprobs - r.target_logprobs for r in cache])
+        assert rows[0]["positions"] == len(ratios)
+        assert rows[0]["kd"] == pytest.approx(float(ratios.mean()), rel=1e-4, abs=1e-5)
+    else:
+        assert cache.manifest["sample"] == 8 and rows[0]["positions"] == sum(len(r.positions) for r in cache)
     base, final = weights(setup["student"]), weights(out / "final")
     assert any(not torch.equal(base[k], final[k]) for k in base if "proj" in k)
     assert all(torch.equal(base[k], final[k]) for k in base if "embed" in k or "norm" in k)
