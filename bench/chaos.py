@@ -62,6 +62,8 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--teacher", default=None, help="teacher directory (default: the demo's, trained if missing)")
     ap.add_argument("--student", default=None, help="student directory for the training trials (default: the demo's)")
+    ap.add_argument("--lora-r", type=int, default=0, help="training trials train LoRA adapters of this rank (kdcache "
+                    "train --lora-r) on a student with weights (default: the demo's student, its random start saved)")
     ap.add_argument("--s3", action="store_true", help="precompute into an S3-compatible server (moto) on 127.0.0.1")
     args = ap.parse_args()
     every = [f"precompute:{k}" for k in PRECOMPUTE_KINDS] + [f"train:{k}" for k in TRAIN_KINDS] + \
@@ -101,8 +103,12 @@ def main():
             if not args.student and not os.path.isfile(os.path.join(init, "config.json")):
                 from kdcache.demo.run import FULL, student_config
                 student_config(os.path.join(ROOT, "runs", "demo"), teacher, FULL)
+            if args.lora_r:
+                init = with_weights(init, os.path.join(work, "lora-base"))
             trows = train_trials(args, work, f"{root}/pre-ref", init, rng)
-            print(f"\ntraining: {args.steps} steps, checkpoint every 5; 1 and 2 ranks (kdcache train --nproc-per-node)")
+            lora = f", LoRA r={args.lora_r}" if args.lora_r else ""
+            print(f"\ntraining: {args.steps} steps, checkpoint every 5; 1 and 2 ranks (kdcache train --nproc-per-node)"
+                  f"{lora}")
             print(f"{'trial':<58}{'counted':>8}{'exit':>6}{'logged':>8}{'resumed':>9}{'losses equal':>14}"
                   f"{'.tmp left':>10}")
             for r in trows:
@@ -139,6 +145,20 @@ def main():
             server.stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def with_weights(student, out):
+    """A LoRA student needs weights to adapt: `student` itself if it has them, else its random start (seed 0),
+    saved to `out`."""
+    from kdcache.train.model import has_weights
+    if has_weights(student):
+        return student
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(student)).save_pretrained(out)
+    AutoTokenizer.from_pretrained(student).save_pretrained(out)
+    return out
 
 
 if __name__ == "__main__":

@@ -86,7 +86,8 @@ def _interrupt_training(cmd, out, how):
 def train_trials(args, work, cache, student, rng):
     steps = args.steps
     common = ["train", "--cache", cache, "--student", student, "--max-steps", steps, "--batch-size", 4,
-              "--save-every", 5, "--no-progress", "--lr", "3e-3", "--threads", 1]
+              "--save-every", 5, "--no-progress", "--lr", "3e-3", "--threads", 1,
+              *(["--lora-r", args.lora_r] if args.lora_r else [])]
     want = {}
     rows = []
     for i, (kind, label, how, ranks) in enumerate(_train_plans(args, rng)):
