@@ -14,10 +14,11 @@ from .model import check_tokenizer, has_weights, load_tokenizer
 
 
 def check_inputs(cfg):
-    """The cache, the student and its tokenizer, checked before any DeepSpeed start-up (which can take a
+    """The caches, the student and its tokenizer, checked before any DeepSpeed start-up (which can take a
     minute the first time): a wrong path costs seconds. Returns the student's tokenizer and the objective of
-    each cache's micro-batches (objectives)."""
-    manifest = load_manifest(cfg.cache)
+    each cache's micro-batches (objectives), in cfg.caches' order."""
+    caches = cfg.caches
+    manifests = [load_manifest(c) for c in caches]
     if not os.path.exists(cfg.student):
         raise ConfigError(f"student: {cfg.student} does not exist (a model directory, or a config.json for a "
                           "fresh student)")
@@ -28,37 +29,38 @@ def check_inputs(cfg):
             raise ConfigError(f"lora_r: {cfg.student} has no weights (a fresh student from a config): LoRA trains "
                               "adapters on a pretrained student's frozen weights. Train it without --lora-r")
     tok = load_tokenizer(cfg)
-    check_tokenizer(tok, manifest, cfg.cache)                       # rule 2: token-exact or refused
-    mix = load_manifest(cfg.mix_cache) if cfg.mix_cache else None
-    if mix is not None:
-        check_tokenizer(tok, mix, cfg.mix_cache)
-    check_sampled(cfg, manifest, mix)
-    return tok, objectives(cfg, manifest, mix)
+    for cache, manifest in zip(caches, manifests):
+        check_tokenizer(tok, manifest, cache)                       # rule 2, per cache: token-exact or refused
+    check_sampled(cfg, manifests)
+    return tok, objectives(cfg, manifests)
 
 
-def check_sampled(cfg, manifest, mix=None):
+def check_sampled(cfg, manifests):
     """Settings a sampled cache (--sample, SPEC.md 4.4) cannot honour, refused by name before any start-up."""
-    if mix is not None and bool(manifest.sample) != bool(mix.sample):
-        raise ConfigError(f"mix_cache: {cfg.mix_cache} is {'' if mix.sample else 'not '}a sampled cache and "
-                          f"{cfg.cache} is {'' if manifest.sample else 'not '}one; their losses differ, so they "
-                          "cannot be mixed in one batch")
+    caches, manifest = cfg.caches, manifests[0]
+    for cache, other in zip(caches[1:], manifests[1:]):
+        if bool(manifest.sample) != bool(other.sample):
+            key = "mix_cache" if cache == cfg.mix_cache else "cache"
+            raise ConfigError(f"{key}: {cache} is {'' if other.sample else 'not '}a sampled cache and "
+                              f"{caches[0]} is {'' if manifest.sample else 'not '}one; their losses differ, so "
+                              "they cannot be trained in one run")
     if not manifest.sample or cfg.objective != "gkd":
         return
     if cfg.beta != 0:
-        raise ConfigError(f"beta: {cfg.beta} on the sampled cache {cfg.cache}: reverse KL and JSD need the teacher's "
+        raise ConfigError(f"beta: {cfg.beta} on the sampled cache {caches[0]}: reverse KL and JSD need the teacher's "
                           "log-prob wherever the student puts mass, and a sampled cache holds it only at its drawn "
                           "ids (no unbiased or consistent estimate exists). Use --beta 0 (forward KL), or a top-k "
                           "cache")
     if cfg.tail != "tail":
-        raise ConfigError(f"tail: {cfg.tail!r} on the sampled cache {cfg.cache}: its draws already stand for the "
+        raise ConfigError(f"tail: {cfg.tail!r} on the sampled cache {caches[0]}: its draws already stand for the "
                           "whole distribution (no tail bucket to renormalise away); leave --tail at its default")
     if cfg.temperature != 1 and not manifest.top_k:
-        raise ConfigError(f"temperature: {cfg.temperature} on the sampled cache {cfg.cache}, which stores no exact "
+        raise ConfigError(f"temperature: {cfg.temperature} on the sampled cache {caches[0]}, which stores no exact "
                           "top-k: the tempered teacher is reached by self-normalised weights, biased at practical "
                           "draw counts (bench/estimator_bias.py: at tau 2 and --sample 12, +95% in value and a 105% "
                           "gradient error). Use --temperature 1, or a cache written with --top-k M --sample N")
     if cfg.temperature != 1:
-        print(f"kdcache: warning: temperature {cfg.temperature} on the sampled cache {cfg.cache}: the estimate is "
+        print(f"kdcache: warning: temperature {cfg.temperature} on the sampled cache {caches[0]}: the estimate is "
               "consistent, not unbiased (bench/estimator_bias.py: at tau 2, --top-k 8 --sample 16, gradient errors "
               "of 21-67%); tau 1 is exact in expectation", file=sys.stderr, flush=True)
 
@@ -105,28 +107,29 @@ def nucleus_note(manifest) -> str | None:
             "generate with --gen-top-p 1 for an unbiased per-token estimate")
 
 
-def objectives(cfg, manifest, mix=None) -> dict:
-    """{"main": objective, "mix": objective or None}: what each cache's micro-batches train.
+def objectives(cfg, manifests) -> list[str]:
+    """What each cache's micro-batches train, in cfg.caches' order.
 
-    gkd runs train GKD everywhere. A token-rkl run needs a main cache whose completions a policy sampled
-    (refused otherwise, saying why); a --mix-cache that is not such a cache (GKD's off-policy data) trains GKD
-    over the buckets at the run's --beta (0 forward KL, 1 reverse KL), as GKD does with off-policy data."""
+    gkd and sft runs train their objective everywhere. A token-rkl run needs a first cache whose completions a
+    policy sampled (refused otherwise, saying why); a further cache that is not such a cache (GKD's off-policy
+    data, a --mix-cache) trains GKD over the buckets at the run's --beta (0 forward KL, 1 reverse KL), as GKD
+    does with off-policy data."""
+    manifest, cache = manifests[0], cfg.caches[0]
     if cfg.objective != "token-rkl":
-        return {"main": cfg.objective, "mix": cfg.objective if mix is not None else None}
+        return [cfg.objective] * len(manifests)
     why = not_sampled_by_a_policy(manifest)
     if why:
-        raise ConfigError(f"objective: token-rkl on {cfg.cache}: {why}. Use --objective gkd on this cache, or a "
+        raise ConfigError(f"objective: token-rkl on {cache}: {why}. Use --objective gkd on this cache, or a "
                           "cache written by `kdcache onpolicy` / `kdcache precompute --mode generate --generator "
                           "STUDENT --gen-temperature 1`")
     note = nucleus_note(manifest)
     if note:
-        print(f"kdcache: warning: {cfg.cache}: {note}", file=sys.stderr, flush=True)
-    if mix is None:
-        if cfg.beta != 0:
-            raise ConfigError(f"beta: {cfg.beta} with --objective token-rkl and no --mix-cache: beta is the "
-                              "divergence of off-policy (GKD) micro-batches, and this run has none")
-        return {"main": "token-rkl", "mix": None}
-    return {"main": "token-rkl", "mix": "token-rkl" if sampled_completions(mix) else "gkd"}
+        print(f"kdcache: warning: {cache}: {note}", file=sys.stderr, flush=True)
+    out = ["token-rkl"] + ["token-rkl" if sampled_completions(m) else "gkd" for m in manifests[1:]]
+    if cfg.beta != 0 and "gkd" not in out:
+        raise ConfigError(f"beta: {cfg.beta} with --objective token-rkl and no off-policy cache (--mix-cache): beta "
+                          "is the divergence of off-policy (GKD) micro-batches, and this run has none")
+    return out
 
 
 # --------------------------------------------------------------------------- per batch

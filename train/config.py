@@ -8,7 +8,14 @@ from .loss_config import LossConfig, default_chunk
 
 @dataclass
 class TrainConfig:
-    cache: str = field("", "logit cache directory written by `kdcache precompute`")
+    cache: str | list = field("", "logit cache directory written by `kdcache precompute`; several (repeat the "
+                                  "flag, or a YAML list), each from its own teacher if need be: each micro-batch "
+                                  "comes from one, drawn in proportion to the positions each has left (or by "
+                                  "--cache-weights), so an epoch trains every position of every cache once",
+                              repeat=True)
+    cache_weights: str = field("", "with several caches: the chance each micro-batch comes from each, comma-"
+                                   "separated in --cache order (e.g. 0.7,0.3; needs --max-steps: the caches "
+                                   "cycle); empty: in proportion to the positions left")
     student: str = field("", "student model directory, or a config.json to initialise a fresh student")
     out: str = field("", "output directory: checkpoints, metrics, final model")
     tokenizer: str | None = field(None, "student tokenizer directory (default: the student directory)")
@@ -97,14 +104,45 @@ class TrainConfig:
             ("until_step", self.until_step >= 0, "must be >= 0"),
             ("mix_lambda", 0.0 <= self.mix_lambda <= 1.0, "must be in [0, 1]"),
             ("mix_cache", not self.mix_cache or self.max_steps > 0, "needs --max-steps (both caches cycle)"),
+            ("mix_cache", not (self.mix_cache and len(self.caches) > 1),
+             "is the two-cache case of several --cache: give every cache as --cache, with --cache-weights"),
+            ("cache_weights", not self.cache_weights or self.max_steps > 0, "needs --max-steps (the caches cycle)"),
             ("until_step", not (self.max_steps and self.until_step > self.max_steps), "must be <= max_steps"),
         ])
+        twice = sorted({c for c in self.caches if self.caches.count(c) > 1})
+        if twice:
+            raise ConfigError(f"cache: {', '.join(twice)} given twice; give each cache once (--cache-weights "
+                              "sets how often each is drawn)")
+        if self.cache_weights:
+            self.weights()
         if self.pack and not self.max_tokens:
             raise ConfigError("pack: needs max_tokens (the packed row length), e.g. --max-tokens 2048")
         if self.deepspeed not in ("0", "1", "2", "3") and not self.deepspeed.endswith(".json"):
             raise ConfigError(f"deepspeed: {self.deepspeed!r} must be a ZeRO stage 0-3 or a .json config file")
         self.loss_config()    # the loss's own checks: beta, temperature, tail, sft_alpha
         self.loss_config(objective="gkd")     # --beta of a token-rkl run's GKD micro-batches
+
+    @property
+    def caches(self) -> list[str]:
+        """Every cache trained on: the --cache ones in order, then --mix-cache."""
+        first = [self.cache] if isinstance(self.cache, str) else list(self.cache)
+        return first + ([self.mix_cache] if self.mix_cache else [])
+
+    def weights(self) -> list[float] | None:
+        """Each cache's chance per micro-batch (the caches' order); None: in proportion to the positions left."""
+        if self.mix_cache:
+            return [self.mix_lambda, 1.0 - self.mix_lambda]
+        if not self.cache_weights:
+            return None
+        caches = self.caches
+        try:
+            w = [float(x) for x in self.cache_weights.split(",")]
+        except ValueError:
+            raise ConfigError(f"cache_weights: {self.cache_weights!r} must be numbers, comma-separated") from None
+        if len(w) != len(caches) or min(w) < 0 or sum(w) <= 0:
+            raise ConfigError(f"cache_weights: {self.cache_weights!r} needs {len(caches)} non-negative number(s), "
+                              f"one per --cache ({', '.join(caches)}), not all 0")
+        return [x / sum(w) for x in w]
 
     def loss_config(self, vocab_size: int = 32000, objective: str | None = None) -> LossConfig:
         """The loss settings of micro-batches that train `objective` (default: the run's); --loss-chunk 0 resolved

@@ -28,7 +28,7 @@ from .distributed import all_reduce, deepspeed_config, init_distributed
 from .final import save_final, stops_like_the_teacher
 from .loss_config import OBJECTIVES
 from .metrics import METRICS, Metrics, plot_loss_curve, read_metrics
-from .mix import MixedStream
+from .mix import MultiStream
 from .model import DistillModule, load_student
 from .out_lock import lock_out
 
@@ -39,7 +39,7 @@ class Run:
     cfg: object
     rank: int
     world: int
-    stream: CacheStream
+    stream: CacheStream        # or a MultiStream over several caches
     tok: object
     engine: object
     scheduler: object
@@ -49,10 +49,10 @@ class Run:
     total_steps: int           # the schedule's length
     end_step: int = 0          # where this run stops: total_steps, or --until-step
     step: int = 0
-    mixed_in: int = 0          # micro-batches of the window from --mix-cache
+    by_cache: list = None      # [micro-batches, positions, KD sum] of the window, per cache (several caches)
     fresh_reader: bool = True  # the reader starts at the cache's beginning (not resumed mid-cache)
     t_last: float = 0.0        # when the last step ended (throughput counts data loading too)
-    objectives: dict = None    # {"main": ..., "mix": ...}: what each cache's micro-batches train (checks.objectives)
+    objectives: list = None    # what each cache's micro-batches train, in cfg.caches' order (checks.objectives)
     out_lock: object = None    # rank 0's lock on --out (lock_out), held until the process ends
     stop: StopFlag = None      # installed by setup(): a signal during start-up stops the run before a step
     params: dict = None        # {"trainable": N, "total": M} parameter counts (LoRA trains only its adapters)
@@ -71,18 +71,18 @@ def train_steps(run):
     try:
         metrics = Metrics(cfg.out, enabled=run.rank == 0, resume_step=run.step)
         bar = _progress(cfg, run.rank, run.end_step, run.step)
-        batches, checked = run.stream.batches(), not run.fresh_reader
+        batches = run.stream.batches()
+        unchecked = set(range(len(cfg.caches))) if run.fresh_reader else set()   # the first batch of each cache
         resume_cmd = _resume_hint()
         reason = "finished" if run.end_step == run.total_steps else f"until step {run.end_step}"
         flag, = all_reduce([1.0 if stop.signal else 0.0], op="max")      # a signal during start-up, on any rank
         if flag:
             reason = f"stopped by {stop.signal or 'a signal to another rank'}"
         while not flag and run.step < run.end_step:        # 2. one optimizer step per window of micro-batches
-            window = next_window(run, batches, check_eos=not checked)
+            window = next_window(run, batches, unchecked)
             if window is None:
                 reason = "data exhausted"
                 break
-            checked = True
             row = optimizer_step(run, *window)
             if run.step % cfg.log_every == 0 or run.step == run.end_step:
                 metrics.log(row)
@@ -110,16 +110,14 @@ def next_cache(run, cfg):
     beginning and the RNG is set to the last checkpoint's, as a resume from that checkpoint with --new-cache would
     (so a round trained here equals one trained by a `kdcache train` of its own)."""
     _, run.objectives = check_inputs(cfg)                    # rule 2 and the objectives, on every new cache
-    for objective in run.objectives.values():                # the loss is stateless: a new objective just joins
+    for objective in run.objectives:                # the loss is stateless: a new objective just joins
         if objective and objective not in run.engine.module.by_objective:
             run.engine.module.by_objective[objective] = cfg.loss_config(run.student_vocab, objective=objective)
     done = checkpoint.run_checkpoints(cfg.out)
     if not done or done[-1][0] != run.step:
         raise TrainDataError(f"{cfg.out}: no checkpoint of step {run.step} to carry on from")
     state = run.stream.state_dict()
-    stream = open_stream(cfg, cfg.cache, run.rank, run.world)
-    if cfg.mix_cache:
-        stream = MixedStream(stream, open_stream(cfg, cfg.mix_cache, run.rank, run.world), cfg.mix_lambda, cfg.seed)
+    stream = open_streams(cfg, run.rank, run.world)
     stream.carry_over(state)
     checkpoint.restore_rng(done[-1][1], run.rank)
     run.cfg, run.stream, run.fresh_reader = cfg, stream, True
@@ -151,9 +149,7 @@ def _setup(cfg):
     if not torch.cuda.is_available():
         torch.set_num_threads(cfg.threads or default_threads(world))
     os.makedirs(cfg.out, exist_ok=True)
-    stream = open_stream(cfg, cfg.cache, rank, world)
-    if cfg.mix_cache:
-        stream = MixedStream(stream, open_stream(cfg, cfg.mix_cache, rank, world), cfg.mix_lambda, cfg.seed)
+    stream = open_streams(cfg, rank, world)
     model = load_student(cfg.student, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
     student_vocab = model.get_input_embeddings().weight.shape[0]      # before ZeRO-3 partitions it
     if cfg.lora_r:
@@ -165,7 +161,7 @@ def _setup(cfg):
     ds_cfg = deepspeed_config(cfg)
     stage = ds_cfg.get("zero_optimization", {}).get("stage", 0)
     module = DistillModule(model, cfg.loss_config(student_vocab), zero3=stage == 3,
-                           by_objective={o: cfg.loss_config(student_vocab, objective=o) for o in objs.values() if o})
+                           by_objective={o: cfg.loss_config(student_vocab, objective=o) for o in objs})
     # One step count for every rank: rank shares differ by a sample, and a rank with an extra step would run a
     # schedule of its own and call collectives the others never join. Counted from the micro-batches the
     # stream really yields (under --max-tokens they hold fewer than --batch-size samples).
@@ -201,6 +197,14 @@ def _setup(cfg):
     return run
 
 
+def open_streams(cfg, rank, world):
+    """One cache's stream, or a MultiStream over several (train/mix.py): --cache repeated, or --mix-cache."""
+    streams = [open_stream(cfg, c, rank, world) for c in cfg.caches]
+    if len(streams) == 1:
+        return streams[0]
+    return MultiStream(streams, cfg.weights(), cfg.seed, names=cfg.caches)
+
+
 def open_stream(cfg, cache, rank, world):
     return CacheStream(cache, rank=rank, world=world, seed=cfg.seed, shuffle=cfg.shuffle, batch_size=cfg.batch_size,
                        max_tokens=0 if cfg.pack else cfg.max_tokens, prefetch=cfg.prefetch,
@@ -208,25 +212,28 @@ def open_stream(cfg, cache, rank, world):
                        track_use=True)   # a lease on the cache: `kdcache gc` keeps it while this run reads
 
 
-def next_window(run, batches, check_eos):
-    """grad_accum collated micro-batches and the reader position after them; None when any rank ran dry."""
+def next_window(run, batches, unchecked):
+    """grad_accum collated micro-batches and the reader position after them; None when any rank ran dry.
+    unchecked: the caches whose first batch is still to be checked for end-of-turn positions (emptied here)."""
     cfg, window, position = run.cfg, [], None
-    run.mixed_in = 0
+    caches = cfg.caches
+    run.by_cache = [[0, 0, 0.0] for _ in caches]
     for _ in range(cfg.grad_accum):
         nxt = next(batches, None)
         if nxt is None:
             break
         records, position = nxt
-        side = "main" if getattr(position, "from_main", True) else "mix"   # "mix": a micro-batch of --mix-cache
-        run.mixed_in += side == "mix"
-        if check_eos and not window:
-            check_records(records, set(run.stream.cache.eos_token_ids), cfg.require_eos, cfg.cache)
-        objective = run.objectives[side]
+        k = getattr(position, "source", 0)          # the cache this micro-batch came from
+        if k in unchecked:
+            unchecked.discard(k)
+            stream = run.stream.streams[k] if isinstance(run.stream, MultiStream) else run.stream
+            check_records(records, set(stream.cache.eos_token_ids), cfg.require_eos, caches[k])
+        objective = run.objectives[k]
         if objective == "token-rkl":
-            check_token_rkl_records(records, cfg.cache if side == "main" else cfg.mix_cache)
+            check_token_rkl_records(records, caches[k])
         batch = collate(records, pad_id=run.pad_id, student_vocab=run.student_vocab,
                         pack_len=cfg.max_tokens if cfg.pack else 0)
-        batch.objective = objective
+        batch.objective, batch.source = objective, k
         window.append(batch)
     have, = all_reduce([1.0 if len(window) == cfg.grad_accum else 0.0], op="min")
     return (window, position) if have else None
@@ -250,6 +257,8 @@ def optimizer_step(run, window, position):
         sums = [sums[0] + float(loss_sum.detach()), sums[1] + parts["kd"], sums[2] + parts["sft"]]
         per_objective[b.objective or run.cfg.objective][0] += b.n_positions
         per_objective[b.objective or run.cfg.objective][1] += parts["kd"]
+        run.by_cache[b.source] = [run.by_cache[b.source][0] + 1, run.by_cache[b.source][1] + b.n_positions,
+                                  run.by_cache[b.source][2] + parts["kd"]]
     loss, kd, sft = (v / n_total for v in all_reduce(sums))
     by_objective = _by_objective(run, per_objective)
     run.step += 1
@@ -268,19 +277,45 @@ def optimizer_step(run, window, position):
             "epoch": run.stream.position.epoch, "outside_vocab": int(outside),
             # what the forward passes held, every rank's: rows and tokens with padding (--pack lowers both)
             "rows": int(rows), "batch_tokens": int(computed),
-            **({"mixed_batches": int(all_reduce([float(run.mixed_in)])[0])} if run.cfg.mix_cache else {}),
-            **by_objective}
+            **_by_cache(run), **by_objective}
+
+
+def _by_cache(run):
+    """With several caches: {"by_cache": {cache: {"batches", "positions", "kd"}}} over every rank (kd: the mean
+    over that cache's positions of the step, None when it had none); with --mix-cache also "mixed_batches", the
+    micro-batches from it."""
+    caches = run.cfg.caches
+    if len(caches) < 2:
+        return {}
+    flat = all_reduce([float(v) for c in run.by_cache for v in c])
+    rows = {c: {"batches": int(flat[3 * i]), "positions": int(flat[3 * i + 1]),
+                "kd": flat[3 * i + 2] / flat[3 * i + 1] if flat[3 * i + 1] else None} for i, c in enumerate(caches)}
+    return {"by_cache": rows, **({"mixed_batches": rows[run.cfg.mix_cache]["batches"]} if run.cfg.mix_cache else {})}
 
 
 def _by_objective(run, per_objective):
     """{"positions_by_objective": {objective: N}, "kd_by_objective": {objective: mean KD}} over every rank, for a
     run whose caches train different objectives (a token-rkl run's off-policy --mix-cache); {} otherwise."""
-    if len({o for o in run.objectives.values() if o}) < 2:
+    if len(set(run.objectives)) < 2:
         return {}
     flat = all_reduce([v for o in OBJECTIVES for v in per_objective[o]])
     n = {o: int(flat[2 * i]) for i, o in enumerate(OBJECTIVES)}
     return {"positions_by_objective": n,
             "kd_by_objective": {o: (flat[2 * i + 1] / n[o] if n[o] else None) for i, o in enumerate(OBJECTIVES)}}
+
+
+def _cache_totals(cfg, rows):
+    """With several caches: {cache: {"batches", "positions", "kd"}} over the logged steps (every step at
+    --log-every 1), kd the mean over that cache's positions; None with one cache."""
+    if len(cfg.caches) < 2:
+        return None
+    out = {}
+    for c in cfg.caches:
+        got = [r["by_cache"][c] for r in rows if c in r.get("by_cache", {})]
+        n = sum(g["positions"] for g in got)
+        kd = sum(g["kd"] * g["positions"] for g in got if g["kd"] is not None)
+        out[c] = {"batches": sum(g["batches"] for g in got), "positions": n, "kd": kd / n if n else None}
+    return out
 
 
 def finish(run, reason, resume_cmd):
@@ -295,8 +330,9 @@ def finish(run, reason, resume_cmd):
             print(f"\n{reason} at step {run.step}; checkpoint saved. Resume with:\n  {resume_cmd}", flush=True)
         return {"step": run.step, "reason": reason}
     untrained = _untrained(run)
-    outside = sum(int(r.get("outside_vocab") or 0) for r in read_metrics(os.path.join(cfg.out, METRICS))) \
-        if rank == 0 else 0
+    rows = read_metrics(os.path.join(cfg.out, METRICS)) if rank == 0 else []
+    outside = sum(int(r.get("outside_vocab") or 0) for r in rows)
+    by_cache = _cache_totals(cfg, rows)
     final = os.path.join(cfg.out, "final")
     stops_like_the_teacher(run.engine.module.model, run.tok, stream.cache.manifest)
     save_final(run.engine.module.model, run.tok, final, rank, run.stage)
@@ -310,11 +346,15 @@ def finish(run, reason, resume_cmd):
                                        "samples_untrained": untrained, "outside_vocab": outside,
                                        "loss_path": run.engine.module.path,
                                        "parameters": run.params, "lora": lora.settings(cfg),
+                                       **({"caches": by_cache} if by_cache else {}),
                                        "loss_chunk": run.engine.module.loss_cfg.chunk_size,
                                        "loss_chunk_from": "--loss-chunk" if cfg.loss_chunk else
                                        "the default for the student's vocabulary"}).encode())
         print(f"loss: {run.engine.module.path} ("
               f"{'--loss-chunk' if cfg.loss_chunk else 'the default chunk for this vocabulary'})", flush=True)
+        for cache, n in (by_cache or {}).items():
+            print(f"{cache}: {n['positions']:,} positions in {n['batches']} micro-batches"
+                  + (f", KD {n['kd']:.4f}" if n["kd"] is not None else ""), flush=True)
         if outside:
             print(f"{outside} teacher top-k entries named ids the student has no embedding row for (a teacher "
                   "vocabulary padded past the student's); their mass was trained as the tail bucket", flush=True)

@@ -14,8 +14,10 @@ import yaml
 from .errors import ConfigError
 
 
-def field(default, help, choices=None, **kw):  # noqa: A002 - mirrors argparse's name
-    meta = {"help": help, "choices": choices}
+def field(default, help, choices=None, repeat=False, **kw):  # noqa: A002 - mirrors argparse's name
+    """repeat: the flag may be given several times (`--cache A --cache B`); one value stays a string, several
+    make a list (in YAML: a string or a list)."""
+    meta = {"help": help, "choices": choices, "repeat": repeat}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
     return dataclasses.field(default=default, metadata=meta, **kw)
@@ -57,6 +59,11 @@ def _base_type(tp):
 def coerce(cls, name, value):
     hints = typing.get_type_hints(cls)
     tp, optional = _base_type(hints[name])
+    meta = {f.name: f.metadata for f in dataclasses.fields(cls)}[name]
+    if meta.get("repeat") and isinstance(value, (list, tuple)):
+        if not value or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"{name}: expected one or more non-empty strings, got {value!r}")
+        return value[0] if len(value) == 1 else list(value)
     if value is None:
         if optional:
             return None
@@ -119,6 +126,9 @@ def add_flags(parser: argparse.ArgumentParser, cls, skip=()):
         help_ = f"{f.metadata.get('help', '')} (default: {default!r})"
         if tp is bool:
             parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_)
+        elif f.metadata.get("repeat"):
+            parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(), action="append",
+                                help=help_ + "; repeat the flag for several")
         elif tp in (list, dict):
             continue   # YAML only
         else:

@@ -159,3 +159,77 @@ def test_kd_loss_is_the_trainers_loss_mean_and_chunked_agrees(cache_dir):
                                                      chunk_size=5), hidden)[0]
     torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
     assert np.isfinite(float(loss.detach()))
+
+
+# ---------------------------------------------------------------------------- several caches
+@pytest.fixture(scope="module")
+def two_caches(tmp_path_factory, cache_dir):
+    """cache_dir (53 samples, ids 0-52) and a second teacher's cache of 21 samples (ids 1000-1020)."""
+    import dataclasses
+    d = tmp_path_factory.mktemp("api-second")
+    recs = [dataclasses.replace(r, sample_id=1000 + i) for i, r in enumerate(make_records(21, seed=9))]
+    kw = writer_kwargs("arrow")
+    kw["fingerprint_parts"] = {"teacher": "second", "data": "second"}
+    write_cache(d, recs, shard_size=5, **kw)
+    return [cache_dir, str(d)]
+
+
+WANT = list(range(53)) + list(range(1000, 1021))
+
+
+def test_a_dataset_over_several_caches_is_every_sample_of_each_once_per_epoch_as_the_trainer_draws(two_caches):
+    import kdcache
+    from kdcache.train.data import CacheStream
+    from kdcache.train.mix import MultiStream
+    got = ids(kdcache.CacheDataset(two_caches, seed=1, epochs=2))
+    assert sorted(got[:74]) == sorted(got[74:]) == WANT                 # each epoch: every sample of both, once
+    # the trainer's draws, one sample a micro-batch: the same order
+    trainer = MultiStream([CacheStream(c, batch_size=1, seed=1, epochs=2) for c in two_caches], None, 1)
+    assert got == [r.sample_id for recs, _ in trainer.batches() for r in recs]
+    small = [n for n, i in enumerate(got[:74]) if i >= 1000]
+    assert small[-1] > 60 and small[0] < 15                           # interleaved in proportion, to the end
+    parts = [ids(kdcache.CacheDataset(two_caches, seed=1, rank=r, world_size=2)) for r in range(2)]
+    assert sorted(parts[0] + parts[1]) == WANT
+
+
+def test_a_dataset_over_several_caches_resumes_exactly(two_caches):
+    import kdcache
+    full = ids(kdcache.CacheDataset(two_caches, seed=3, epochs=2))
+    for cut in (1, 30, 74, 100):
+        ds = kdcache.CacheDataset(two_caches, seed=3, epochs=2)
+        it = iter(ds)
+        head = [next(it).sample_id for _ in range(cut)]
+        again = kdcache.CacheDataset(two_caches, seed=3, epochs=2)
+        again.load_state_dict(ds.state_dict())
+        assert head + ids(again) == full
+
+
+def test_several_caches_with_dataloader_workers_and_mark_trained(two_caches):
+    import kdcache
+    ds = kdcache.CacheDataset(two_caches, seed=6, epochs=1)
+    trained = []
+    for n, batch in enumerate(torch.utils.data.DataLoader(ds, batch_size=3, num_workers=2, collate_fn=_collate)):
+        if n < 7:
+            trained += batch.sample_ids
+            ds.mark_trained(batch)
+    again = kdcache.CacheDataset(two_caches, seed=6, epochs=1)
+    again.load_state_dict(ds.state_dict())
+    rest = [i for b in torch.utils.data.DataLoader(again, batch_size=3, num_workers=2, collate_fn=_collate)
+            for i in b.sample_ids]
+    assert sorted(trained + rest) == WANT
+
+
+def test_weighted_caches_cycle_and_bad_weights_are_refused(two_caches):
+    import itertools
+
+    import kdcache
+    ds = kdcache.CacheDataset(two_caches, seed=2, epochs=None, weights=[0.2, 0.8])
+    got = [r.sample_id for r in itertools.islice(iter(ds), 500)]
+    share = sum(i >= 1000 for i in got) / len(got)
+    assert abs(share - 0.8) < 0.06, share
+    with pytest.raises(ConfigError, match="epochs=None"):
+        kdcache.CacheDataset(two_caches, weights=[0.5, 0.5])
+    with pytest.raises(ConfigError, match="one weight per cache"):
+        kdcache.CacheDataset(two_caches, epochs=None, weights=[1.0])
+    with pytest.raises(ConfigError, match="given twice"):
+        kdcache.CacheDataset([two_caches[0], two_caches[0]])

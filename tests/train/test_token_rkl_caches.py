@@ -33,17 +33,17 @@ def _cfg(**kw):
 def test_token_rkl_is_refused_on_completions_no_policy_sampled(manifest, why):
     assert why in not_sampled_by_a_policy(manifest)
     with pytest.raises(ConfigError, match=f"token-rkl on C: .*{why}"):
-        objectives(_cfg(), manifest)
+        objectives(_cfg(), [manifest])
 
 
 def test_token_rkl_trains_a_generator_cache_and_gkd_trains_off_policy_data_beside_it(capsys):
     assert not_sampled_by_a_policy(ON_POLICY) is None
-    assert objectives(_cfg(), ON_POLICY) == {"main": "token-rkl", "mix": None}
-    assert objectives(_cfg(mix_cache="M", max_steps=4), ON_POLICY, _manifest(mode="score")) == \
-        {"main": "token-rkl", "mix": "gkd"}
-    assert objectives(_cfg(mix_cache="M", max_steps=4), ON_POLICY, ON_POLICY) == {"main": "token-rkl",
-                                                                                  "mix": "token-rkl"}
-    assert objectives(_cfg(objective="gkd"), _manifest(mode="score")) == {"main": "gkd", "mix": None}
+    assert objectives(_cfg(), [ON_POLICY]) == ["token-rkl"]
+    assert objectives(_cfg(mix_cache="M", max_steps=4), [ON_POLICY, _manifest(mode="score")]) == ["token-rkl", "gkd"]
+    assert objectives(_cfg(mix_cache="M", max_steps=4), [ON_POLICY, ON_POLICY]) == ["token-rkl", "token-rkl"]
+    assert objectives(_cfg(cache=["C", "D", "E"]), [ON_POLICY, _manifest(mode="score"), ON_POLICY]) == \
+        ["token-rkl", "gkd", "token-rkl"]
+    assert objectives(_cfg(objective="gkd"), [_manifest(mode="score")]) == ["gkd"]
     assert "top-p" not in capsys.readouterr().err
 
 
@@ -51,12 +51,14 @@ def test_beta_of_a_token_rkl_run_is_the_divergence_of_its_gkd_micro_batches():
     cfg = _cfg(mix_cache="M", max_steps=4, beta=1.0)
     assert cfg.loss_config(objective="gkd").beta == 1.0 and cfg.loss_config().beta == 0.0
     assert cfg.loss_config().objective == "token-rkl"
-    with pytest.raises(ConfigError, match="beta: 1.0 with --objective token-rkl and no --mix-cache"):
-        objectives(_cfg(beta=1.0), ON_POLICY)
+    with pytest.raises(ConfigError, match="beta: 1.0 with --objective token-rkl and no off-policy cache"):
+        objectives(_cfg(beta=1.0), [ON_POLICY])
+    with pytest.raises(ConfigError, match="beta: 1.0 with --objective token-rkl and no off-policy cache"):
+        objectives(_cfg(beta=1.0, cache=["C", "D"]), [ON_POLICY, ON_POLICY])
 
 
 def test_a_nucleus_is_named_with_its_bias(capsys):
-    objectives(_cfg(), _manifest(mode="generate", generator="abc", temperature=1.0, top_p=0.9))
+    objectives(_cfg(), [_manifest(mode="generate", generator="abc", temperature=1.0, top_p=0.9)])
     err = capsys.readouterr().err
     assert "--gen-top-p 0.9" in err and "nucleus-truncated" in err
 
@@ -83,10 +85,10 @@ class _Sampled(dict):
 def test_a_tempered_loss_on_a_sampled_cache_needs_an_exact_top_k_and_is_named_biased(capsys):
     cfg = TrainConfig(cache="C", student="S", out="O", temperature=2.0)
     with pytest.raises(ConfigError, match="temperature: 2.0 on the sampled cache C, which stores no exact top-k"):
-        check_sampled(cfg, _Sampled(top_k=0))
-    check_sampled(cfg, _Sampled(top_k=8))
+        check_sampled(cfg, [_Sampled(top_k=0)])
+    check_sampled(cfg, [_Sampled(top_k=8)])
     assert "consistent, not unbiased" in capsys.readouterr().err
-    check_sampled(TrainConfig(cache="C", student="S", out="O"), _Sampled(top_k=0))      # tau 1: exact
+    check_sampled(TrainConfig(cache="C", student="S", out="O"), [_Sampled(top_k=0)])      # tau 1: exact
     assert capsys.readouterr().err == ""
 
 
