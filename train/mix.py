@@ -138,7 +138,8 @@ class MultiStream:
         else:       # a two-cache state from before MultiStream: the mixed-in cache (the last) reads on
             keep = [None] * (len(self.streams) - 1) + [state["mix"]]
         self.position = MultiPosition(tuple(StreamPosition.from_dict(d) if d else StreamPosition() for d in keep),
-                                      tuple(int(d.get("used", 0)) if d else 0 for d in keep), int(state.get("draws", 0)))
+                                      tuple(int(d.get("used", 0)) if d else 0 for d in keep),
+                                      int(state.get("draws", 0)))
 
     def close(self):
         for s in self.streams:
