@@ -45,13 +45,11 @@ class MultiPosition:
 
 
 class MultiStream:
-    def __init__(self, streams: list[CacheStream], weights: list[float] | None, seed: int,
-                 names: list[str] | None = None):
+    def __init__(self, streams: list[CacheStream], weights: list[float] | None, seed: int):
         if weights is not None and (len(weights) != len(streams) or min(weights) < 0 or sum(weights) <= 0):
             raise ValueError(f"weights {weights} for {len(streams)} caches")
         self.streams, self.seed = list(streams), int(seed)
         self.weights = None if weights is None else [float(w) for w in weights]
-        self.names = list(names or [s.cache.directory for s in streams])
         self.sizes = [_positions(s) for s in streams]      # positions of this rank's span, per epoch
         self.position = MultiPosition(tuple(s.position for s in streams), (0,) * len(streams))
 

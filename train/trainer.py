@@ -202,7 +202,7 @@ def open_streams(cfg, rank, world):
     streams = [open_stream(cfg, c, rank, world) for c in cfg.caches]
     if len(streams) == 1:
         return streams[0]
-    return MultiStream(streams, cfg.weights(), cfg.seed, names=cfg.caches)
+    return MultiStream(streams, cfg.weights(), cfg.seed)
 
 
 def open_stream(cfg, cache, rank, world):
