@@ -182,7 +182,8 @@ def check_order(path, order, new_cache=False):
     meta = json.load(open(os.path.join(path, "complete.json")))
     saved = dict(meta.get("data", {}), world_size=meta["world_size"])   # checkpoints before 'data': ranks only
     differ = [k for k in sorted(saved) if saved[k] != order.get(k)]
-    differ += [k for k in ("mix", "mix_lambda") if k in order and k not in saved]    # mixing begun on a resume
+    # caches added on a resume (mixing begun, a second --cache): their keys are not in the saved order
+    differ += [k for k in ("mix", "mix_lambda", "caches", "cache_weights") if k in order and k not in saved]
     other_cache = any(k in CACHE_KEYS for k in differ)
     if new_cache and other_cache:
         differ = [k for k in differ if k not in CACHE_KEYS]
