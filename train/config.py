@@ -104,8 +104,10 @@ class TrainConfig:
             ("until_step", self.until_step >= 0, "must be >= 0"),
             ("mix_lambda", 0.0 <= self.mix_lambda <= 1.0, "must be in [0, 1]"),
             ("mix_cache", not self.mix_cache or self.max_steps > 0, "needs --max-steps (both caches cycle)"),
-            ("mix_cache", not (self.mix_cache and len(self.caches) > 1),
+            ("mix_cache", not (self.mix_cache and len(self.caches) > 2),
              "is the two-cache case of several --cache: give every cache as --cache, with --cache-weights"),
+            ("cache_weights", not (self.mix_cache and self.cache_weights),
+             "does not go with --mix-cache (--mix-lambda weighs its two caches)"),
             ("cache_weights", not self.cache_weights or self.max_steps > 0, "needs --max-steps (the caches cycle)"),
             ("until_step", not (self.max_steps and self.until_step > self.max_steps), "must be <= max_steps"),
         ])

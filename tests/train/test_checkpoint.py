@@ -53,3 +53,16 @@ def test_new_cache_takes_another_caches_checkpoint_with_a_fresh_reader_but_no_ot
     for key, value in (("seed", 1), ("shuffle", False), ("world_size", 1)):
         with pytest.raises(TrainDataError, match=key):
             check_order(path, dict(other, **{key: value}), new_cache=True)
+
+
+@pytest.mark.parametrize("added", [{"caches": [dict(ORDER, cache_fingerprint="e" * 64)],
+                                    "cache_weights": "positions-left"},
+                                   {"mix": dict(ORDER, cache_fingerprint="e" * 64), "mix_lambda": 0.5}],
+                         ids=["second-cache", "mix-cache"])
+def test_a_one_cache_checkpoint_resumed_with_more_caches_is_refused_naming_them(tmp_path, added):
+    """The saved order of a one-cache run has no `caches` (or `mix`) key: a resume that adds a cache would
+    start the added stream from nothing while the first skips on, so it is refused, naming the key."""
+    path = saved(tmp_path, world_size=2, data=ORDER)
+    key = next(iter(added))
+    with pytest.raises(TrainDataError, match=rf"{key}: None in the checkpoint"):
+        check_order(path, dict(ORDER, **added))

@@ -25,6 +25,18 @@ def setup(tiny, tmp_path_factory):
 LORA = ("--lora-r", 4, "--batch-size", 2, "--no-shuffle")
 
 
+def second_cache(setup):
+    """The same teacher over 16 other records: a cache to mix in (a cache mixed with itself is refused)."""
+    from tests.helpers.cli import precompute, write_jsonl
+    out = setup["dir"] / "cache-mix"
+    if not (out / "manifest.json").exists():
+        data = write_jsonl(setup["dir"] / "d-mix.jsonl", setup["records"][48:64])
+        res = precompute("--teacher", setup["dir"] / "teacher", "--data", data, "--out", out, "--backend", "hf",
+                         "--top-k", 32, "--shard-size", 8, shared_ray=True)
+        assert res.returncode == 0, res.stderr
+    return out
+
+
 def weights(path):
     from safetensors.torch import load_file
     return load_file(os.path.join(path, "model.safetensors"))
@@ -175,7 +187,7 @@ def test_two_ranks_under_zero_2_and_3_train_the_same_adapters(setup, tmp_path):
                                    ("--mix-cache", "CACHE", "--mix-lambda", 0.5)],
                          ids=["pack", "max-tokens", "sft", "sft-term-accum", "two-ranks", "mix-cache"])
 def test_lora_runs_with_the_trainers_other_settings(setup, tmp_path, extra):
-    extra = [setup["cache"] if x == "CACHE" else x for x in extra]
+    extra = [second_cache(setup) if x == "CACHE" else x for x in extra]
     out = tmp_path / "o"
     res = run(train_cmd(setup, out, "--max-steps", 3, *LORA, "--save-every", 0, *extra))
     assert res.returncode == 0, res.stderr[-3000:]

@@ -162,3 +162,16 @@ def test_a_two_cache_state_saved_before_several_caches_still_resumes(caches):
     c = _stream([nxt, off], [0.5, 0.5])
     c.carry_over(old)
     assert c.position.streams[1] == first.position.streams[1] and c.position.streams[0].to_dict()["epoch"] == 0
+
+
+def test_the_config_takes_mix_cache_beside_one_cache_and_refuses_it_beside_several():
+    from kdcache.common.errors import ConfigError
+    from kdcache.train.config import TrainConfig
+    cfg = TrainConfig(cache="A", student="S", out="O", mix_cache="B", mix_lambda=0.25, max_steps=4)
+    assert cfg.caches == ["A", "B"] and cfg.weights() == [0.25, 0.75]
+    with pytest.raises(ConfigError, match="mix_cache.*two-cache case"):
+        TrainConfig(cache=["A", "C"], student="S", out="O", mix_cache="B", max_steps=4)
+    with pytest.raises(ConfigError, match="cache_weights.*--mix-lambda"):
+        TrainConfig(cache="A", student="S", out="O", mix_cache="B", cache_weights="1,1", max_steps=4)
+    three = TrainConfig(cache=["A", "B", "C"], student="S", out="O", cache_weights="1,1,2", max_steps=4)
+    assert three.weights() == [0.25, 0.25, 0.5]
