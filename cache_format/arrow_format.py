@@ -33,7 +33,9 @@ COLUMNS = (("input_ids", np.int32, "token_offsets"), ("positions", np.int32, "po
            ("target_logprobs", np.float32, "position_offsets"), ("topk_ids", None, "entry_offsets"),
            ("topk_values", None, "entry_offsets"))
 SAMPLED = (("sample_counts", np.uint8, "entry_offsets"),)              # format 3: after topk_values
-OPTIONAL = (("behavior_logprobs", np.float32, "position_offsets"),)    # last, where the records carry it
+# last, where the records carry them; a teacher view (SPEC.md 4.5) is teacher_positions and teacher_input_ids
+OPTIONAL = (("behavior_logprobs", np.float32, "position_offsets"), ("teacher_positions", np.int32, "position_offsets"),
+            ("teacher_input_ids", np.int32, "teacher_token_offsets"))
 
 
 def schema(top_k, logprob_dtype, id_dtype, optional=(), sample=0):
@@ -61,7 +63,11 @@ def _batch(cols: layout.Columns, sch):
     for name, _, off in COLUMNS + tuple(c for c in SAMPLED + OPTIONAL if c[0] in sch.names):
         offsets = entry if off == "entry_offsets" else getattr(cols, off)
         values = getattr(cols, name)
-        if values is None:                 # an optional column this batch's records lack: NaN, as SPEC.md says
+        if name == "teacher_input_ids" and values is None:       # no record of this batch has a teacher view
+            offsets, values = np.zeros(len(cols.sample_id) + 1, np.int64), np.zeros(0, np.int32)
+        elif name == "teacher_positions" and values is None:
+            values = np.full(len(cols.positions), -1, np.int32)
+        elif values is None:               # an optional column this batch's records lack: NaN, as SPEC.md says
             values = np.full(len(cols.positions), np.nan, np.float32)
         arrays.append(pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values)))
     return pa.record_batch(arrays, schema=sch)
@@ -200,11 +206,12 @@ def _columns(batch):
     """(Columns, {list column: its own per-sample offsets}) of a format 2/3 record batch."""
     got = {name: _flat(batch.column(name)) for name, _, _ in COLUMNS + SAMPLED + OPTIONAL
            if name in batch.schema.names}
+    teacher = {"teacher_token_offsets": got["teacher_input_ids"][0]} if "teacher_input_ids" in got else {}
     return layout.Columns(
         sample_id=_numpy(batch.column("sample_id")),
         truncated=_numpy(batch.column("truncated")),
         token_offsets=got["input_ids"][0], position_offsets=got["positions"][0],
-        **{name: vals for name, (_, vals) in got.items()}), {name: off for name, (off, _) in got.items()}
+        **{name: vals for name, (_, vals) in got.items()}, **teacher), {name: off for name, (off, _) in got.items()}
 
 
 def _columns_v1(batch, top_k):

@@ -4,6 +4,8 @@ import calendar
 import json
 import time
 
+import numpy as np
+
 from .card import CARD
 from .compact import BOUNDS
 from .errors import CacheError, ManifestMissing
@@ -30,7 +32,12 @@ def inspect_main(argv=None):
     p.add_argument("--json", action="store_true", help="print the manifest plus derived figures as JSON")
     p.add_argument("--card", action="store_true", help="write a dataset card (README.md) into the cache: what it "
                                                       "holds, its figures, and how to load it")
+    p.add_argument("--sample", type=int, default=None, metavar="I",
+                   help="print the I-th stored sample instead: its token ids, and the teacher's own view where it "
+                        "saw another context (privileged context), with each position's target and top entry")
     args = p.parse_args(argv)
+    if args.sample is not None:
+        return _print_sample(args.cache, args.sample)
     try:
         m = load_manifest(args.cache)
     except ManifestMissing as e:
@@ -79,6 +86,30 @@ def inspect_main(argv=None):
         rng = f"{s.sample_start}-{s.sample_end}"
         print(f"{s.path:<24} {s.num_samples:>8} {rng:>15} {s.num_tokens:>10} "
               f"{s.num_positions:>10} {s.bytes / 1e6:>8.2f}")
+    return 0
+
+
+def _print_sample(path, i):
+    """`kdcache inspect CACHE --sample I`: both views of one sample, as ids (the format holds no tokenizer)."""
+    from .reader import open_cache
+    with open_cache(path) as cache:
+        try:
+            r = cache[i]
+        except IndexError as e:
+            raise SystemExit(f"error: {path}: {e}") from None
+    print(f"sample_id {r.sample_id}: {len(r.input_ids)} tokens, {len(r.positions)} trained positions"
+          + (", truncated" if r.truncated else ""))
+    print(f"student view (input_ids): {r.input_ids.tolist()}")
+    if r.teacher_input_ids is None:
+        print("teacher view: the same ids (no privileged context)")
+    else:
+        print(f"teacher view (teacher_input_ids, {len(r.teacher_input_ids)} tokens): {r.teacher_input_ids.tolist()}")
+    t_pos = r.positions if r.teacher_positions is None else r.teacher_positions
+    print(f"{'position':>9} {'teacher':>8} {'target':>8} {'top id':>8} {'top logprob':>12}")
+    best = r.topk_logprobs.argmax(axis=1)                      # a sqrt8 cache's rows come in id order
+    rows = np.arange(len(best))
+    for p, t, tgt, top, lp in zip(r.positions, t_pos, r.targets, r.topk_ids[rows, best], r.topk_logprobs[rows, best]):
+        print(f"{int(p):>9} {int(t):>8} {int(tgt):>8} {int(top):>8} {float(lp):>12.4f}")
     return 0
 
 

@@ -141,14 +141,15 @@ def to_store(rec, *, top_p, logprob_dtype, vocab_size):
     rec is checked and dense. top_p (or None) keeps each row's smallest prefix reaching that mass, and the
     tail mass becomes the exact mass outside what is kept (from rec's full-precision log-probs).
     """
-    from .record import Record, tail_mass_from_logprobs
+    from dataclasses import replace
+
+    from .record import tail_mass_from_logprobs
     ids, lps, tail = rec.topk_ids, rec.topk_logprobs, rec.tail_mass
     if top_p is not None:
         ids, lps = keep_prefix(ids, lps, top_p_counts(lps, top_p))
         tail = tail_mass_from_logprobs(lps)
     kl = kl_to_exact(rec.topk_logprobs, stored_logprobs(lps, logprob_dtype), tail, vocab_size)
-    return Record(rec.sample_id, rec.input_ids, rec.positions, ids, lps, tail, rec.truncated,
-                  rec.target_logprobs, rec.behavior_logprobs, rec.sample_counts), kl
+    return replace(rec, topk_ids=ids, topk_logprobs=lps, tail_mass=tail), kl
 
 
 def sampled_rows(top_ids, top_logprobs, draw_ids, draw_logprobs):

@@ -9,6 +9,9 @@ Every shard holds the same columns, flat and CSR-indexed per sample:
                 position; float16/float32: ids and log-probs in rank order; sqrt8: see compact.py
                 sample_counts uint8 (format 3, a sampled cache only): draws per entry, 0 for exact entries; the
                 entries then come in ascending id order, ids as steps, whatever the log-prob coding
+  teacher view  (optional, only in shards where a record carries one: privileged context, SPEC.md 4.5)
+                teacher_input_ids int32 per teacher token (sample i: teacher_token_offsets[i]:[i+1]; empty for
+                a sample whose teacher saw input_ids), teacher_positions int32 per position (-1 there)
 Encoding and decoding are vectorised over a whole block of samples: no per-position Python loop.
 """
 from dataclasses import dataclass
@@ -35,6 +38,9 @@ class Columns:
     topk_values: np.ndarray
     behavior_logprobs: np.ndarray | None = None     # None: the shard has no such column
     sample_counts: np.ndarray | None = None         # per entry; None: not a sampled shard
+    teacher_token_offsets: np.ndarray | None = None  # the teacher view (all three, or None: the shard has none)
+    teacher_input_ids: np.ndarray | None = None
+    teacher_positions: np.ndarray | None = None
 
     @property
     def entry_offsets(self):
@@ -46,7 +52,8 @@ class Columns:
 PER_SAMPLE = ("sample_id", "truncated")
 PER_TOKEN = ("input_ids",)
 PER_POSITION = ("positions", "topk_counts", "tail_mass", "target_logprobs")
-OPTIONAL = ("behavior_logprobs",)       # per position, written only where the records carry it
+OPTIONAL = ("behavior_logprobs", "teacher_positions")   # per position, written only where the records carry it
+TEACHER = ("teacher_input_ids",)        # per teacher token, with the shard's teacher view
 PER_ENTRY = ("topk_ids", "topk_values")
 SAMPLED = ("sample_counts",)            # per entry, in sampled shards only (format 3)
 
@@ -88,7 +95,23 @@ def encode(records, *, top_k, logprob_dtype, id_dtype=None, sample=0) -> Columns
         topk_ids=tid, topk_values=tval, sample_counts=draws,
         behavior_logprobs=_cat([np.full(len(r.positions), nan) if r.behavior_logprobs is None else
                                 r.behavior_logprobs for r in records], np.float32)
-        if any(r.behavior_logprobs is not None for r in records) else None)
+        if any(r.behavior_logprobs is not None for r in records) else None,
+        **_teacher_columns(records))
+
+
+def _teacher_columns(records) -> dict:
+    """The teacher view's columns of a block ({} where no record has one): a record without one gets no teacher
+    tokens and teacher_positions -1 (its teacher saw input_ids)."""
+    if all(r.teacher_input_ids is None for r in records):
+        return {}
+    none = np.zeros(0, np.int32)
+    return dict(
+        teacher_token_offsets=offsets([0 if r.teacher_input_ids is None else len(r.teacher_input_ids)
+                                       for r in records]),
+        teacher_input_ids=_cat([none if r.teacher_input_ids is None else r.teacher_input_ids for r in records],
+                               np.int32),
+        teacher_positions=_cat([np.full(len(r.positions), -1) if r.teacher_positions is None else
+                                r.teacher_positions for r in records], np.int32))
 
 
 def check_columns(c: Columns, where: str, list_offsets: dict | None = None):
@@ -108,6 +131,14 @@ def check_columns(c: Columns, where: str, list_offsets: dict | None = None):
         if len(off) != n + 1 or (len(off) and (off[0] != 0 or off[-1] != len(col) or (np.diff(off) < 0).any())):
             bad.append(f"{name}: offsets {len(off)} long, ending at {off[-1] if len(off) else None}, for {n} samples "
                        f"and {len(col)} values")
+    if (c.teacher_input_ids is None) != (c.teacher_positions is None):
+        bad.append("teacher_input_ids and teacher_positions come together or not at all")
+    elif c.teacher_input_ids is not None:
+        off, col = c.teacher_token_offsets, c.teacher_input_ids
+        if off is None or len(off) != n + 1 or (len(off) and (off[0] != 0 or off[-1] != len(col)
+                                                              or (np.diff(off) < 0).any())):
+            bad.append(f"teacher_input_ids: offsets of {None if off is None else len(off)} for {n} samples and "
+                       f"{len(col)} values")
     P = len(c.positions)
     for name in PER_POSITION + OPTIONAL:
         sized(name, getattr(c, name), P, "positions")
@@ -149,8 +180,12 @@ class Decoded:
     def record(self, i):
         c = self.cols
         t0, t1, p0, p1 = c.token_offsets[i], c.token_offsets[i + 1], c.position_offsets[i], c.position_offsets[i + 1]
+        t_ids = t_pos = None
+        if c.teacher_input_ids is not None and c.teacher_token_offsets[i + 1] > c.teacher_token_offsets[i]:
+            t_ids = c.teacher_input_ids[c.teacher_token_offsets[i]:c.teacher_token_offsets[i + 1]]
+            t_pos = c.teacher_positions[p0:p1]
         return Record(int(c.sample_id[i]), c.input_ids[t0:t1], c.positions[p0:p1], self.ids[p0:p1],
                       self.lps[p0:p1], c.tail_mass[p0:p1], bool(c.truncated[i]),
                       c.target_logprobs[p0:p1] if self.has_target else None,
                       None if c.behavior_logprobs is None else c.behavior_logprobs[p0:p1],
-                      None if self.draws is None else self.draws[p0:p1])
+                      None if self.draws is None else self.draws[p0:p1], t_ids, t_pos)

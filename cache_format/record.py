@@ -37,6 +37,11 @@ class Record:
                                    each entry's id; 0 for the exact top entries (and unused slots). Then k is the
                                    exact top-k plus N, tail_mass the mass outside the exact entries (what the
                                    draws were taken from), and the entries come in any order. None otherwise
+      teacher_input_ids int32 [U]  privileged context: the token ids the teacher scored (its own rendering, e.g.
+                                   with a hint), where they differ from input_ids; None: the teacher saw input_ids
+      teacher_positions int32 [P]  with teacher_input_ids: the teacher position whose next-token scores position p
+                                   holds; teacher_input_ids[teacher_positions + 1] == input_ids[positions + 1]
+                                   (the same trained tokens, in the same order)
     """
     sample_id: int
     input_ids: np.ndarray
@@ -48,6 +53,8 @@ class Record:
     target_logprobs: np.ndarray | None = None
     behavior_logprobs: np.ndarray | None = None
     sample_counts: np.ndarray | None = None
+    teacher_input_ids: np.ndarray | None = None
+    teacher_positions: np.ndarray | None = None
 
     @property
     def targets(self):
@@ -155,7 +162,33 @@ def check_record(rec: Record, top_k: int, vocab_size: int, ranked: bool = True, 
     if mass_tol is not None:
         _check_target_and_tail(ids[pos + 1], pos, tid, tlp, used if _exact is None else _exact, target,
                                None if rec.tail_mass is None else tail, mass_tol, bad)
-    return Record(int(sid), ids, pos, tid, tlp, np.clip(tail, 0.0, 1.0), bool(rec.truncated), target, behavior)
+    t_ids, t_pos = _teacher_view(rec, ids, pos, vocab_size, bad)
+    return Record(int(sid), ids, pos, tid, tlp, np.clip(tail, 0.0, 1.0), bool(rec.truncated), target, behavior,
+                  teacher_input_ids=t_ids, teacher_positions=t_pos)
+
+
+def _teacher_view(rec, ids, pos, vocab_size, bad):
+    """(teacher_input_ids, teacher_positions), checked, or (None, None): both or neither; the teacher's positions
+    strictly increasing inside its ids, each followed by the same token as the student's position (token-equal)."""
+    if rec.teacher_input_ids is None and rec.teacher_positions is None:
+        return None, None
+    if rec.teacher_input_ids is None or rec.teacher_positions is None:
+        bad("teacher_input_ids and teacher_positions come together (a teacher view) or not at all")
+    t_ids = np.ascontiguousarray(rec.teacher_input_ids, dtype=np.int32)
+    t_pos = np.ascontiguousarray(rec.teacher_positions, dtype=np.int32)
+    U = t_ids.shape[0] if t_ids.ndim == 1 else -1
+    if U < 2 or t_ids.min() < 0 or t_ids.max() >= vocab_size:
+        bad(f"teacher_input_ids must be 1-D, at least 2 ids, each in [0, {vocab_size})")
+    if t_pos.shape != pos.shape:
+        bad(f"teacher_positions must be [{len(pos)}] like positions, got {t_pos.shape}")
+    if t_pos[0] < 0 or t_pos[-1] > U - 2 or (len(t_pos) > 1 and np.any(np.diff(t_pos) <= 0)):
+        bad(f"teacher_positions must be strictly increasing within [0, {U - 2}]")
+    differ = np.flatnonzero(t_ids[t_pos + 1] != ids[pos + 1])
+    if len(differ):
+        p = int(differ[0])
+        bad(f"position {pos[p]} trains token {int(ids[pos[p] + 1])}, but its teacher position {t_pos[p]} is "
+            f"followed by {int(t_ids[t_pos[p] + 1])}: the teacher must score the same tokens ({len(differ)} differ)")
+    return t_ids, t_pos
 
 
 def _check_sampled(rec, width, vocab_size, mass_tol, sample):
@@ -178,7 +211,8 @@ def _check_sampled(rec, width, vocab_size, mass_tol, sample):
         lp = np.asarray(rec.topk_logprobs, np.float32)
         tail = tail_mass_from_logprobs(np.where(exact, np.maximum(lp, LOGPROB_FLOOR), -np.inf))
     out = check_record(Record(rec.sample_id, rec.input_ids, rec.positions, tid, rec.topk_logprobs, tail,
-                              rec.truncated, rec.target_logprobs, rec.behavior_logprobs),
+                              rec.truncated, rec.target_logprobs, rec.behavior_logprobs,
+                              teacher_input_ids=rec.teacher_input_ids, teacher_positions=rec.teacher_positions),
                        width, vocab_size, ranked=False, ragged=True, mass_tol=mass_tol,
                        _exact=exact)
     used = out.topk_ids >= 0

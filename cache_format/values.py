@@ -159,8 +159,36 @@ def check_block(c, ids, lps, draws, logprob_dtype, rules: Rules, where):
 def block_problem(c, ids, lps, draws, logprob_dtype, rules: Rules):
     """The first rule the block breaks, as "sample S position t: what", or None. See check_block."""
     b = _Block(c)
-    return (_samples(b, c, rules) or _entries(b, c, ids, lps, draws, logprob_dtype, rules)
+    return (_samples(b, c, rules) or _teacher_view(b, c, rules) or _entries(b, c, ids, lps, draws, logprob_dtype, rules)
             or _masses(b, c, ids, lps, draws, logprob_dtype, rules))
+
+
+def _teacher_view(b, c, rules):
+    """A teacher view (privileged context): teacher ids in range; a sample with one has its positions strictly
+    increasing inside its teacher ids, each followed by the student's trained token; one without has -1 there."""
+    if c.teacher_input_ids is None:
+        return None
+    V, U = rules.vocab_size, np.diff(c.teacher_token_offsets)
+    bad_at = np.flatnonzero((c.teacher_input_ids < 0) | (c.teacher_input_ids >= V))
+    bad_sample = np.zeros(len(U), bool)
+    bad_sample[np.searchsorted(c.teacher_token_offsets, bad_at, side="right") - 1] = True
+    has = U[b.row_sample] > 0
+    tp = np.asarray(c.teacher_positions, np.int64)
+    out = ~has & (tp != -1) | has & ((tp < 0) | (tp > U[b.row_sample] - 2))
+    step_ok = np.ones(len(tp), bool)
+    step_ok[1:] = (np.diff(tp) > 0) | (b.row_sample[1:] != b.row_sample[:-1]) | ~has[1:]
+    problem = (b.sample(bad_sample, lambda i: f"teacher input id {int(c.teacher_input_ids[bad_at[0]])} outside "
+                        f"[0, {V})")
+               or b.row(out, lambda r: f"teacher position {tp[r]} outside [0, {U[b.row_sample[r]] - 2}] (-1 "
+                        "where the sample has no teacher view)")
+               or b.row(~step_ok, lambda r: f"teacher positions not strictly increasing ({tp[r - 1]} then {tp[r]})"))
+    if problem:
+        return problem
+    start = c.teacher_token_offsets[:-1][b.row_sample] + tp + 1
+    tok = c.input_ids[c.token_offsets[:-1][b.row_sample] + c.positions + 1]
+    differ = has & (c.teacher_input_ids[np.where(has, start, 0)] != tok) if len(c.teacher_input_ids) else has & False
+    return b.row(differ, lambda r: f"trains token {int(tok[r])}, but its teacher position {tp[r]} is followed by "
+                 f"{int(c.teacher_input_ids[start[r]])}: the teacher view must score the same tokens")
 
 
 def _samples(b, c, rules):

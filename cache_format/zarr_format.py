@@ -55,7 +55,8 @@ ARRAYS = (("sample_id", TOKEN_CHUNK), ("truncated", TOKEN_CHUNK), ("token_offset
           ("input_ids", TOKEN_CHUNK), ("position_offsets", TOKEN_CHUNK), ("positions", TOKEN_CHUNK),
           ("topk_counts", TOKEN_CHUNK), ("tail_mass", TOKEN_CHUNK), ("target_logprobs", TOKEN_CHUNK),
           ("topk_ids", ENTRY_CHUNK), ("topk_values", ENTRY_CHUNK))
-OPTIONAL = (("behavior_logprobs", TOKEN_CHUNK),)      # per position, written only where the records carry it
+OPTIONAL = (("behavior_logprobs", TOKEN_CHUNK), ("teacher_positions", TOKEN_CHUNK))   # per position, where carried
+TEACHER = (("teacher_input_ids", TOKEN_CHUNK), ("teacher_token_offsets", TOKEN_CHUNK))   # a teacher view's tokens
 SAMPLED = (("sample_counts", ENTRY_CHUNK),)           # per entry, in sampled shards (format 3)
 
 
@@ -69,7 +70,7 @@ def write_shard(path, records, *, top_k, logprob_dtype="float16", codec=DEFAULT_
 
     def fill(tmp):
         g = zarr.open_group(zarr.storage.LocalStore(tmp), mode="w", zarr_format=3, attributes=attrs)
-        for name, chunk in ARRAYS + SAMPLED + OPTIONAL:
+        for name, chunk in ARRAYS + SAMPLED + OPTIONAL + TEACHER:
             if getattr(cols, name) is not None:
                 _put(g, name, getattr(cols, name), chunk, codec)
 
@@ -98,8 +99,9 @@ async def _open(path):
     payload = V1_PAYLOAD if version == 1 else PAYLOAD
     if version != 1:
         names = {n async for n in g.array_keys()}
-        payload += tuple(n for n, _ in SAMPLED + OPTIONAL if n in names)
-    index = INDEX + (() if version == 1 else ("topk_counts",))
+        payload += tuple(n for n, _ in SAMPLED + OPTIONAL + TEACHER[:1] if n in names)
+    index = INDEX + (() if version == 1 else ("topk_counts",) + (("teacher_token_offsets",)
+                                                                 if "teacher_input_ids" in payload else ()))
     arrays = dict(zip(payload + index, await asyncio.gather(*(g.getitem(n) for n in payload + index))))
     got = await asyncio.gather(*(arrays[n].getitem(slice(None)) for n in index))
     return attrs, {n: arrays[n] for n in payload}, dict(zip(index, got))
@@ -140,6 +142,7 @@ class Shard:
             raise ShardError(f"{path}: top_k is {got_k} in the shard, {top_k} in the manifest")
         # entry e of position p: format 1 rows are [P, k]; format 2 entries are flat, counts per position
         self._counts = None if v1 else index["topk_counts"]
+        self._teacher_off = index.get("teacher_token_offsets")
         self._eoff = None if v1 else np.concatenate([[0], np.cumsum(self._counts, dtype=np.int64)])
         self._block = (None, None)
 
@@ -165,12 +168,17 @@ class Shard:
                 e0, e1 = self._eoff[p0], self._eoff[p1]
                 optional = {n: (p0, p1) for n, _ in OPTIONAL if n in self._a}
                 optional.update({n: (e0, e1) for n, _ in SAMPLED if n in self._a})
+                teacher = {}
+                if self._teacher_off is not None:
+                    u0, u1 = self._teacher_off[lo], self._teacher_off[hi]
+                    optional["teacher_input_ids"] = (u0, u1)
+                    teacher["teacher_token_offsets"] = self._teacher_off[lo:hi + 1] - u0
                 a = sync(_slices(self._a, {"input_ids": (t0, t1), "positions": (p0, p1), "tail_mass": (p0, p1),
                                            "target_logprobs": (p0, p1), "topk_ids": (e0, e1),
                                            "topk_values": (e0, e1), **optional}))
                 per_entry = dict(topk_counts=self._counts[p0:p1], target_logprobs=a["target_logprobs"],
                                  topk_ids=a["topk_ids"], topk_values=a["topk_values"],
-                                 **{n: a[n] for n in optional})
+                                 **{n: a[n] for n in optional}, **teacher)
             cols = layout.Columns(
                 sample_id=self._sid[lo:hi], truncated=self._trunc[lo:hi], token_offsets=self._toff[lo:hi + 1] - t0,
                 input_ids=a["input_ids"], position_offsets=self._poff[lo:hi + 1] - p0,

@@ -44,6 +44,10 @@ class Example:
     input_ids: list = None
     labels: list = None
     truncated: bool = False  # ids: flagged cut short by the record itself (a cache's samples carry theirs)
+    # Privileged context (SPEC.md 4.5): the conversation, or the ids and labels, as the teacher sees them
+    teacher_messages: list = None
+    teacher_input_ids: list = None
+    teacher_labels: list = None
 
 
 IGNORE = -100     # labels[t] == IGNORE: token t is not trained (the Hugging Face convention)
@@ -64,25 +68,39 @@ def _int_list(data, key):
 
 def parse_ids(data) -> Example:
     """{"input_ids": [...], "labels": [...]}: labels[t] is IGNORE or input_ids[t]; position t-1 is trained where it
-    is not IGNORE (labels[0] is never a target: no position predicts it). Without labels, every token is."""
-    ids = _int_list(data, "input_ids")
+    is not IGNORE (labels[0] is never a target: no position predicts it). Without labels, every token is.
+    With "teacher_input_ids" and "teacher_labels" (both needed): the ids the teacher scores, under the same rule."""
     truncated = data.get("truncated", False)
     if not isinstance(truncated, bool):
         raise BadRow(f"field 'truncated' must be true or false, got {type(truncated).__name__}")
-    if "labels" not in data or data["labels"] is None:
-        return Example("ids", input_ids=ids, truncated=truncated)
-    labels = _int_list(data, "labels")
+    ids, labels = _ids_and_labels(data, "input_ids", "labels")
+    ex = Example("ids", input_ids=ids, labels=labels, truncated=truncated)
+    if data.get("teacher_input_ids") is not None or data.get("teacher_labels") is not None:
+        ex.teacher_input_ids, ex.teacher_labels = _ids_and_labels(data, "teacher_input_ids", "teacher_labels")
+        if ex.teacher_labels is None:
+            raise BadRow("field 'teacher_input_ids' needs 'teacher_labels' (-100 where the teacher's token is not a "
+                         "trained one): they say which of its tokens are the student's trained tokens")
+    return ex
+
+
+def _ids_and_labels(data, ids_key, labels_key):
+    """(ids, labels or None) of a record's id fields, checked (see parse_ids)."""
+    ids = _int_list(data, ids_key)
+    if labels_key not in data or data[labels_key] is None:
+        return ids, None
+    labels = _int_list(data, labels_key)
     if len(labels) != len(ids):
-        raise BadRow(f"'labels' has {len(labels)} entries and 'input_ids' {len(ids)}: they must be as long")
+        raise BadRow(f"{labels_key!r} has {len(labels)} entries and {ids_key!r} {len(ids)}: they must be as long")
     x, y = np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
     wrong = np.nonzero((y != IGNORE) & (y != x))[0]
     if len(wrong):
         t = int(wrong[0])
-        raise BadRow(f"labels[{t}] = {labels[t]} but input_ids[{t}] = {ids[t]}: a label is the input id it trains, "
-                     f"or {IGNORE} (kdcache trains the ids it is given, never others)")
+        raise BadRow(f"{labels_key}[{t}] = {labels[t]} but {ids_key}[{t}] = {ids[t]}: a label is the input id it "
+                     f"trains, or {IGNORE} (kdcache trains the ids it is given, never others)")
     if (y[1:] == IGNORE).all():
-        raise BadRow("every label after the first is -100: nothing to distill")
-    return Example("ids", input_ids=ids, labels=labels, truncated=truncated)
+        raise BadRow(f"every {'label' if labels_key == 'labels' else labels_key + ' entry'} after the first is "
+                     "-100: nothing to distill")
+    return ids, labels
 
 
 def is_cache(path) -> bool:
@@ -243,7 +261,8 @@ def cache_records(cache) -> int:
 
 
 def iter_cache_rows(path):
-    """A cache's samples as id records (their input ids, their trained positions as labels, their truncated flag),
+    """A cache's samples as id records (their input ids, their trained positions as labels, their truncated flag,
+    their teacher view where they have one),
     at their own sample ids; the records the source skipped come out as skips, so both caches line up id for id."""
     cache = open_source_cache(path)
     skip = ("source_skipped", "the source cache has no sample here (it skipped the record: see its "
@@ -256,8 +275,12 @@ def iter_cache_rows(path):
                 yield Row(i, f"{path} sample {i}", skip=skip)
             labels = np.full(len(rec.input_ids), IGNORE, dtype=np.int64)
             labels[rec.positions + 1] = rec.input_ids[rec.positions + 1]
-            yield Row(sid, f"{path} sample {sid}", {"input_ids": rec.input_ids.tolist(), "labels": labels.tolist(),
-                                                    "truncated": bool(rec.truncated)})
+            data = {"input_ids": rec.input_ids.tolist(), "labels": labels.tolist(), "truncated": bool(rec.truncated)}
+            if rec.teacher_input_ids is not None:          # rescored under the teacher's view, as it was scored
+                t_labels = np.full(len(rec.teacher_input_ids), IGNORE, dtype=np.int64)
+                t_labels[rec.teacher_positions + 1] = rec.teacher_input_ids[rec.teacher_positions + 1]
+                data.update(teacher_input_ids=rec.teacher_input_ids.tolist(), teacher_labels=t_labels.tolist())
+            yield Row(sid, f"{path} sample {sid}", data)
             nxt = sid + 1
         for i in range(nxt, cache_records(cache)):
             yield Row(i, f"{path} sample {i}", skip=skip)
@@ -274,6 +297,25 @@ def _need_str(d, key, where_key=None, allow_empty=False):
     return v
 
 
+def _messages(data, key):
+    """The chat under `key`, checked: a non-empty list of {role, content}, with at least one assistant turn."""
+    msgs = data[key]
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRow(f"field {key!r} must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise BadRow(f"{key}[{i}] must be an object, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise BadRow(f"{key}[{i}].role must be one of {list(ROLES)}, got {role!r}")
+        content = _need_str(m, "content", f"{key}[{i}].content", allow_empty=role != "assistant")
+        out.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in out):
+        raise BadRow(f"{'chat' if key == 'messages' else key} has no assistant turn, so nothing to distill")
+    return out
+
+
 def parse_row(data) -> Example:
     """Check the record's shape and types; raise BadRow naming the field. Unknown fields are ignored."""
     if not isinstance(data, dict):
@@ -281,21 +323,12 @@ def parse_row(data) -> Example:
     if "input_ids" in data:
         return parse_ids(data)
     if "messages" in data:
-        msgs = data["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise BadRow("field 'messages' must be a non-empty list")
-        out = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict):
-                raise BadRow(f"messages[{i}] must be an object, got {type(m).__name__}")
-            role = m.get("role")
-            if role not in ROLES:
-                raise BadRow(f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}")
-            content = _need_str(m, "content", f"messages[{i}].content", allow_empty=role != "assistant")
-            out.append({"role": role, "content": content})
-        if not any(m["role"] == "assistant" for m in out):
-            raise BadRow("chat has no assistant turn, so nothing to distill")
-        return Example("chat", messages=out)
+        ex = Example("chat", messages=_messages(data, "messages"))
+        if data.get("teacher_messages") is not None:
+            ex.teacher_messages = _messages(data, "teacher_messages")
+        return ex
+    if data.get("teacher_messages") is not None:
+        raise BadRow("field 'teacher_messages' needs 'messages' beside it (the conversation as the student sees it)")
     if "prompt" in data:
         key = "completion" if "completion" in data else "response" if "response" in data else None
         if key is None:

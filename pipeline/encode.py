@@ -26,6 +26,15 @@ class Sample:
     input_ids: np.ndarray    # int32 [T] (score mode: the whole sequence; generate mode: the prompt)
     positions: np.ndarray    # int32 [P] (score mode); empty in generate mode
     truncated: bool = False
+    teacher_ids: np.ndarray | None = None         # privileged context: the ids the teacher scores (None: input_ids)
+    teacher_positions: np.ndarray | None = None   # int32 [P]: where in teacher_ids each position is scored
+
+    @property
+    def scored(self):
+        """(ids, positions) the teacher scores: its own view where the record gives one."""
+        if self.teacher_ids is None:
+            return self.input_ids, self.positions
+        return self.teacher_ids, self.teacher_positions
 
 
 def with_completion(sample: Sample, new_ids, ended: bool) -> Sample:
@@ -105,18 +114,52 @@ class Encoder:
     def encode(self, ex: Example, sample_id: int = 0) -> Sample:
         if ex.kind == "ids":
             return self._ids(ex, sample_id)
+        teacher = None
         if ex.kind in ("chat", "pair"):
             msgs = self._messages(ex) or [{"role": "user", "content": ex.prompt},
                                           {"role": "assistant", "content": ex.completion}]
-            ids, spans = chat_spans(self.tok, msgs, self.turn_ends, self.max_chars) if self.template == "chat" \
-                else self._raw_chat(msgs)
+            ids, spans = self._chat(msgs)
+            if ex.teacher_messages:
+                teacher = self._teacher_view(msgs, ids, spans, ex.teacher_messages)
         else:  # text: every token is a target; the document end appended so the end of a document is learned
             ids = self.tok(ex.text[:self.max_chars], add_special_tokens=True)["input_ids"] + [self.text_end]
             spans = [(1, len(ids))]
         positions = span_positions(spans)
+        keep = np.ones(len(positions), bool)
         if self.drop_end_of_turn:
-            positions = positions[~np.isin(np.asarray(ids)[positions + 1], list(self.turn_ends))]
-        return self._limit(sample_id, ids, positions)
+            keep = ~np.isin(np.asarray(ids)[positions + 1], list(self.turn_ends))
+        if teacher is not None:
+            teacher = (teacher[0], teacher[1][keep])
+        return self._limit(sample_id, ids, positions[keep], teacher)
+
+    def _chat(self, msgs):
+        return chat_spans(self.tok, msgs, self.turn_ends, self.max_chars) if self.template == "chat" \
+            else self._raw_chat(msgs)
+
+    def _teacher_view(self, msgs, ids, spans, teacher_msgs):
+        """(teacher ids, teacher positions [P]) of teacher_messages: its assistant turns must be those of messages,
+        rendered to the same tokens, else BadRow naming the turn (never a shifted position)."""
+        mine = [m["content"] for m in msgs if m["role"] == "assistant"]
+        theirs = [m["content"] for m in teacher_msgs if m["role"] == "assistant"]
+        if len(mine) != len(theirs):
+            raise BadRow(f"teacher_messages has {len(theirs)} assistant turn(s), messages {len(mine)}: the teacher "
+                         "scores the student's completions, so they must be the same turns")
+        for n, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                raise BadRow(f"teacher_messages: assistant turn {n} differs from messages' (the completions the "
+                             "teacher scores must be the student's, word for word)")
+        t_ids, t_spans = self._chat(teacher_msgs)
+        for n, ((a, b), (c, d)) in enumerate(zip(spans, t_spans)):
+            if list(ids[a:b]) != list(t_ids[c:d]):
+                j = next((j for j, (x, y) in enumerate(zip(ids[a:b], t_ids[c:d])) if x != y), min(b - a, d - c))
+                raise BadRow(f"assistant turn {n} is not token-equal under the two renderings: {b - a} tokens under "
+                             f"messages, {d - c} under teacher_messages, first differing at its token {j}; the "
+                             "teacher must score exactly the student's tokens (a template that renders the turn "
+                             "otherwise after another context cannot be used)")
+        if len(t_spans) != len(spans):
+            raise BadRow(f"{len(spans)} trained turn(s) under messages, {len(t_spans)} under teacher_messages (a turn "
+                         "cut at max_length in one rendering only)")
+        return t_ids, span_positions(t_spans)
 
     def _ids(self, ex: Example, sample_id: int) -> Sample:
         """A record's own token ids, as they are (rule 2 at the input: nothing templated or tokenized). It counts
@@ -128,18 +171,34 @@ class Encoder:
             positions = np.arange(len(ids) - 1)
         else:
             positions = np.nonzero(np.asarray(ex.labels[1:]) != IGNORE)[0]
+        teacher = None
+        if ex.teacher_input_ids is not None:
+            teacher = self._teacher_ids(ids, positions, ex)
         if self.drop_end_of_turn:
-            positions = positions[~np.isin(ids[positions + 1], list(self.turn_ends))]
-        s = self._limit(sample_id, ids, positions)
+            keep = ~np.isin(ids[positions + 1], list(self.turn_ends))
+            positions, teacher = positions[keep], teacher and (teacher[0], teacher[1][keep])
+        s = self._limit(sample_id, ids, positions, teacher)
         ends = len(s.positions) and int(s.input_ids[s.positions[-1] + 1]) in self.turn_ends
         return replace(s, truncated=s.truncated or ex.truncated or not ends)
 
-    def _in_vocab(self, input_ids) -> np.ndarray:
+    def _teacher_ids(self, ids, positions, ex: Example):
+        """(teacher ids, teacher positions) of an id record's teacher_input_ids and teacher_labels: the same trained
+        tokens in the same order, else BadRow naming the first that differs."""
+        t_ids = self._in_vocab(ex.teacher_input_ids, "teacher_input_ids")
+        t_pos = np.nonzero(np.asarray(ex.teacher_labels[1:]) != IGNORE)[0]
+        mine, theirs = ids[positions + 1], t_ids[t_pos + 1]
+        if len(mine) != len(theirs) or (mine != theirs).any():
+            j = next((j for j, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
+            raise BadRow(f"teacher_labels train {len(theirs)} tokens and labels {len(mine)}, first differing at "
+                         f"trained token {j}: the teacher must score exactly the student's trained tokens, in order")
+        return t_ids, t_pos
+
+    def _in_vocab(self, input_ids, name="input_ids") -> np.ndarray:
         ids = np.asarray(input_ids, dtype=np.int64)
         bad = np.nonzero((ids < 0) | (ids >= (self.vocab_size or 2**31)))[0]
         if len(bad):
             t = int(bad[0])
-            raise BadRow(f"input_ids[{t}] = {int(ids[t])} is outside the teacher's vocabulary of "
+            raise BadRow(f"{name}[{t}] = {int(ids[t])} is outside the teacher's vocabulary of "
                          f"{self.vocab_size or 2**31:,} ids ({len(bad)} such id(s) in this record)")
         return ids.astype(np.int32)
 
@@ -149,17 +208,27 @@ class Encoder:
             raise SkipSample("too_many_messages", f"{len(ex.messages)} messages > max_messages {self.max_messages}")
         return ex.messages
 
-    def _limit(self, sample_id, ids, positions):
+    def _limit(self, sample_id, ids, positions, teacher=None):
+        """The sample within max_length tokens; with a teacher view (ids, positions), both views are held to it
+        and keep the positions that fit in both."""
         truncated = False
-        if len(ids) > self.max_length:
+        views = [(ids, positions)] + ([teacher] if teacher is not None else [])
+        if any(len(v) > self.max_length for v, _ in views):
             if self.overlong == "drop":
-                raise SkipSample("too_long", f"{len(ids)} tokens > max_length {self.max_length} (overlong=drop)")
-            ids, truncated = ids[:self.max_length], True
-            positions = positions[positions <= self.max_length - 2]
+                raise SkipSample("too_long", f"{max(len(v) for v, _ in views)} tokens > max_length "
+                                 f"{self.max_length} (overlong=drop)")
+            truncated = True
+            keep = min(int(np.sum(p <= self.max_length - 2)) for _, p in views)
+            views = [(v[:self.max_length], p[:keep]) for v, p in views]
+        (ids, positions), teacher = views[0], (views[1] if teacher is not None else None)
         if len(positions) == 0:
             raise SkipSample("no_targets", f"no completion token within max_length {self.max_length}"
                        if truncated else "no completion tokens")
-        return Sample(sample_id, np.asarray(ids, dtype=np.int32), positions.astype(np.int32), truncated)
+        s = Sample(sample_id, np.asarray(ids, dtype=np.int32), positions.astype(np.int32), truncated)
+        if teacher is not None:
+            s.teacher_ids = np.asarray(teacher[0], dtype=np.int32)
+            s.teacher_positions = np.asarray(teacher[1], dtype=np.int32)
+        return s
 
     def _raw_chat(self, messages):
         """--template raw: the messages' tokens in order (BOS first where the tokenizer adds one), each assistant
@@ -175,6 +244,9 @@ class Encoder:
 
     # -- generate mode: the prompt only ----------------------------------------------------
     def encode_prompt(self, ex: Example, sample_id: int = 0) -> Sample:
+        if ex.teacher_messages is not None or ex.teacher_input_ids is not None:
+            raise BadRow("a teacher view (teacher_messages, teacher_input_ids) is scored with the record's own "
+                         "completions: use score mode (no --generate) for it")
         if ex.kind == "ids":        # the ids before the first trained one (all of them, without labels)
             ids = self._in_vocab(ex.input_ids)
             first = None if ex.labels is None else next(t for t, y in enumerate(ex.labels) if t and y != IGNORE)

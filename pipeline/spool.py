@@ -1,6 +1,6 @@
 """Encoded samples spooled to disk: tokenize once in the scan, stream them to the workers as it goes.
 
-Segments of (sample_id, input_ids, positions, truncated) in dataset order, each a self-contained Arrow IPC
+Segments of (sample_id, input_ids, positions, truncated, teacher view) in dataset order, each a self-contained Arrow IPC
 stream appended to one file, in a directory kdcache-spool-<pid namespace>-<pid>-* under $KDCACHE_SPOOL_DIR or
 the system temp directory (set TMPDIR or KDCACHE_SPOOL_DIR to a large disk for big datasets), deleted when the
 job ends; one left by a killed job is deleted by the next job on the machine. A segment is readable as soon as
@@ -23,7 +23,9 @@ from kdcache.common.errors import DataError
 from .encode import Sample
 
 SCHEMA = pa.schema([("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32())),
-                    ("positions", pa.list_(pa.int32())), ("truncated", pa.bool_())])
+                    ("positions", pa.list_(pa.int32())), ("truncated", pa.bool_()),
+                    ("teacher_ids", pa.list_(pa.int32())), ("teacher_positions", pa.list_(pa.int32()))])
+# the last two are null where the record has no teacher view (privileged context)
 BATCH = 1024
 
 
@@ -54,7 +56,9 @@ class Spool:
             pa.array([s.sample_id for s in rows], pa.int64()),
             pa.array([s.input_ids for s in rows], pa.list_(pa.int32())),
             pa.array([s.positions for s in rows], pa.list_(pa.int32())),
-            pa.array([s.truncated for s in rows], pa.bool_())], schema=SCHEMA)
+            pa.array([s.truncated for s in rows], pa.bool_()),
+            pa.array([s.teacher_ids for s in rows], pa.list_(pa.int32())),
+            pa.array([s.teacher_positions for s in rows], pa.list_(pa.int32()))], schema=SCHEMA)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, SCHEMA) as w:
             w.write_batch(batch)
@@ -129,7 +133,10 @@ class SpoolReader:
         batch = pa.ipc.open_stream(pa.py_buffer(data)).read_next_batch()
         sid, trunc = batch.column(0).to_pylist(), batch.column(3).to_pylist()
         ids, pos = _rows(batch.column(1)), _rows(batch.column(2))
-        self._buf = [Sample(sid[r], ids[r], pos[r], trunc[r]) for r in range(batch.num_rows)]
+        t_ids, t_pos = _rows(batch.column(4)), _rows(batch.column(5))
+        view = np.asarray(batch.column(4).is_valid().to_numpy(zero_copy_only=False), bool)
+        self._buf = [Sample(sid[r], ids[r], pos[r], trunc[r], *((t_ids[r], t_pos[r]) if view[r] else ()))
+                     for r in range(batch.num_rows)]
         self._pos = 0
         return True
 

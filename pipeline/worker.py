@@ -96,7 +96,8 @@ class TeacherWorker:
     def _score(self, samples: list[Sample], k: int):
         """(Scored, Draws or None) of each sample: with --sample, its draws too, seeded per sample (the job's
         seed plus the sample's id), so that a shard written again draws what it drew before."""
-        seqs, positions = [s.input_ids for s in samples], [s.positions for s in samples]
+        seqs, positions = zip(*(s.scored for s in samples))     # the teacher's own view where a record has one
+        seqs, positions = list(seqs), list(positions)
         n = self.spec.storage.sample
         if not n:
             return [(sc, None) for sc in self.teacher.score(seqs, positions, k)]
@@ -132,7 +133,8 @@ def _record(s: Sample, sc, draws, behavior) -> Record:
     if draws is not None:
         ids, lps, counts = sampled_rows(sc.ids, sc.logprobs, draws.ids, draws.logprobs)
     return Record(s.sample_id, s.input_ids, s.positions, ids, lps, truncated=s.truncated,
-                  target_logprobs=sc.target_logprobs, behavior_logprobs=behavior, sample_counts=counts)
+                  target_logprobs=sc.target_logprobs, behavior_logprobs=behavior, sample_counts=counts,
+                  teacher_input_ids=s.teacher_ids, teacher_positions=s.teacher_positions)
 
 
 def unblank_cuda_devices(teacher_kwargs: dict, environ=os.environ) -> bool:
