@@ -38,16 +38,21 @@ from kdcache.pipeline.config import PrecomputeConfig
 from kdcache.stages import make_stages
 from kdcache.train.config import TrainConfig
 
-SUMMARY, CONFIG, LOCK = "summary.json", "onpolicy_config.yaml", ".onpolicy.lock"
-BASE = "base"    # --teacher base: the LoRA student's own base weights
+from .onpolicy_state import check_same_run, load_summary, save_summary
+from .routing import BASE, routes, teachers  # BASE: --teacher base, the LoRA student's own base weights
+
+LOCK = ".onpolicy.lock"
 WAIT_S = 900     # how long a rerun waits for the stages of a killed run to finish their checkpoint
 
 
 @dataclass
 class OnpolicyConfig:
-    teacher: str = field("", "teacher model directory, the URL of a vLLM server (as kdcache precompute), or `base`: "
-                             "with --lora-r, the student's own base weights (its adapter disabled) score every round, "
-                             "which is self-distillation (a directory named base is ./base)")
+    teacher: str | list = field("", "teacher model directory, the URL of a vLLM server (as kdcache precompute), or "
+                                    "`base`: with --lora-r, the student's own base weights (its adapter disabled) "
+                                    "score every round, which is self-distillation (a directory named base is "
+                                    "./base). Several: repeat as NAME=DIR with --route-field", repeat=True)
+    route_field: str = field("", "with NAME=DIR teachers: the prompt field whose value names each prompt's teacher "
+                                 "(e.g. domain); a round writes one cache per teacher and trains on all of them")
     student: str = field("", "initial student model directory: it writes round 1's completions")
     data: str = field("", "prompts: records as in generate mode (.jsonl, .parquet, save_to_disk); the list cycles")
     out: str = field("", "run directory: summary.json, rounds/, store/, checkpoints, metrics.jsonl, final/")
@@ -71,6 +76,18 @@ class OnpolicyConfig:
                          ("prompts_per_round", self.prompts_per_round >= 1, "must be >= 1"),
                          ("steps_per_round", self.steps_per_round >= 1, "must be >= 1"),
                          ("lmbda", 0.0 <= self.lmbda <= 1.0, "must be in [0, 1]")])
+        named = "" not in teachers(self.teacher)
+        if named != bool(self.route_field):
+            raise ConfigError("route_field: NAME=DIR teachers and --route-field come together (each prompt's field "
+                              "names its teacher)" if named else "route_field: needs NAME=DIR teachers (--teacher "
+                              "math=DIR --teacher code=DIR2)")
+        if named and self.offpolicy_cache:
+            raise ConfigError("offpolicy_cache: does not go with routed teachers yet; precompute the off-policy "
+                              "data per teacher and train with kdcache train --cache A --cache B")
+
+    @property
+    def routed(self) -> bool:
+        return bool(self.route_field)
 
 
 # What the loop sets on each stage itself; every other precompute and train setting passes through.
@@ -111,9 +128,10 @@ def parse(argv):
     cfg = load(OnpolicyConfig, None, {k: v for k, v in values.items() if k in own})
     pre = {k: coerce(PrecomputeConfig, k, v) for k, v in values.items() if k in pre_keys}
     train = {k: coerce(TrainConfig, k, v) for k, v in values.items() if k in train_keys}
-    pre_cfg = PrecomputeConfig(**dict(pre, teacher=teacher_of(cfg), data=cfg.data, out=cfg.out))  # their checks
+    for t in teachers(cfg.teacher).values():                                                       # their checks
+        pre_cfg = PrecomputeConfig(**dict(pre, teacher=cfg.student if t == BASE else t, data=cfg.data, out=cfg.out))
     train_cfg = TrainConfig(**dict(train, cache="-", student=cfg.student, out=cfg.out))
-    if cfg.teacher == BASE and not train_cfg.lora_r:
+    if BASE in teachers(cfg.teacher).values() and not train_cfg.lora_r:
         raise ConfigError("teacher: `base` is the base weights under a LoRA student's adapter, and this run trains "
                           "every weight (no --lora-r): pass --lora-r R, or a teacher directory")
     if train_cfg.objective == "token-rkl" and pre_cfg.gen_temperature <= 0:
@@ -132,10 +150,12 @@ def run(cfg, pre, train):
     os.makedirs(cfg.out, exist_ok=True)
     lock = _lock(cfg.out)
     try:
-        _check_same_run(cfg, pre, train)
-        prompts = read_prompts(cfg.data)
+        check_same_run(cfg, pre, train)
+        prompts, places = read_prompts(cfg.data, places=True)
+        if cfg.routed:
+            routes(prompts, places, cfg.route_field, teachers(cfg.teacher))     # every prompt names a teacher
         stop = StopFlag().install()
-        summary = _load_summary(cfg.out)
+        summary = load_summary(cfg.out)
         stages = make_stages(cfg.stages, train, lock)
         try:
             for r in range(cfg.rounds):
@@ -143,12 +163,12 @@ def run(cfg, pre, train):
                 if stop and not entry["done"]:
                     return _stopped(stop, r, "between stages")
                 if entry["stage"] == "new":
-                    _save_summary(cfg.out, summary)          # the round has begun
+                    save_summary(cfg.out, summary)          # the round has begun
                     t0 = time.time()
                     if not _rollout(cfg, pre, r, prompts, entry, stop, stages):
                         return _stopped(stop, r, "rollout and scoring")
                     entry.setdefault("seconds", {})["rollout"] = round(time.time() - t0, 2)
-                    _save_summary(cfg.out, summary)
+                    save_summary(cfg.out, summary)
                 if entry["stage"] == "scored":
                     if stop:
                         return _stopped(stop, r, "between stages")
@@ -156,7 +176,7 @@ def run(cfg, pre, train):
                     if not _train(cfg, train, r, entry, stop, stages):
                         return _stopped(stop, r, "training")
                     entry.setdefault("seconds", {})["training"] = round(time.time() - t0, 2)
-                    _save_summary(cfg.out, summary)
+                    save_summary(cfg.out, summary)
         finally:
             stages.close()
         _print_summary(cfg, summary, stages.name, time.time() - t_start)
@@ -171,31 +191,57 @@ def _rollout(cfg, pre, r, prompts, entry, stop, stages):
     os.makedirs(d, exist_ok=True)
     start = r * cfg.prompts_per_round
     picked = [prompts[(start + i) % len(prompts)] for i in range(cfg.prompts_per_round)]
-    atomic_write_bytes(os.path.join(d, "prompts.jsonl"), "".join(line + "\n" for line in picked).encode())
-    where = os.path.join(d, "cache.txt")
-    stage = dict(pre, teacher=teacher_of(cfg), data=os.path.join(d, "prompts.jsonl"),
+    named = teachers(cfg.teacher)
+    groups = {"": picked}
+    if cfg.routed:             # one job per teacher the round's prompts name, in --teacher order
+        names = routes(picked, [f"round {r + 1} prompt {i}" for i in range(len(picked))], cfg.route_field, named)
+        groups = {n: [p for p, m in zip(picked, names) if m == n] for n in named if n in names}
+    done = {}
+    for name, lines in groups.items():
+        cache = _score(cfg, pre, r, name, named[name], lines, stop, stages)
+        if cache is None:
+            return False
+        done[name] = cache
+    if not cfg.routed:
+        entry.update(cache=done[""][0], stage="scored", teacher_tokens=done[""][1])
+        return True
+    entry.update(cache=[c for c, _ in done.values()], stage="scored",
+                 teacher_tokens=sum(n for _, n in done.values()),
+                 teachers={n: {"cache": c, "prompts": len(groups[n]), "teacher_tokens": t}
+                           for n, (c, t) in done.items()})
+    return True
+
+
+def _score(cfg, pre, r, name, teacher, lines, stop, stages):
+    """One precompute job of round r: `lines`' completions by the round's student, scored by `teacher` (named
+    `name` among routed teachers, else ""). (cache, teacher tokens) when complete, else None."""
+    d, start = _round_dir(cfg.out, r), r * cfg.prompts_per_round
+    tag = f"-{name}" if name else ""
+    atomic_write_bytes(os.path.join(d, f"prompts{tag}.jsonl"), "".join(line + "\n" for line in lines).encode())
+    where = os.path.join(d, f"cache{tag}.txt")
+    stage = dict(pre, teacher=cfg.student if teacher == BASE else teacher, data=os.path.join(d, f"prompts{tag}.jsonl"),
                  out=cfg.store or os.path.join(cfg.out, "store"), store=True,
-                 alias=f"{os.path.basename(os.path.abspath(cfg.out))}-round-{r + 1}", mode="generate",
+                 alias=f"{os.path.basename(os.path.abspath(cfg.out))}-round-{r + 1}{tag}", mode="generate",
                  generator=student_of_round(cfg, r), location_file=where,
                  seed=int(pre.get("seed") or 0) + start)    # sample seeds: seed + the prompt's running number
-    _write_yaml(os.path.join(d, "precompute.yaml"), stage)
-    _say(f"round {r + 1}/{cfg.rounds}: {cfg.prompts_per_round} completions by {stage['generator']}, scored by "
-         f"{stage['teacher']}{' (the base weights, adapter disabled)' if cfg.teacher == BASE else ''}")
-    stages.precompute(os.path.join(d, "precompute.yaml"), stop, f"round {r + 1}")
+    _write_yaml(os.path.join(d, f"precompute{tag}.yaml"), stage)
+    _say(f"round {r + 1}/{cfg.rounds}: {len(lines)} completions by {stage['generator']}, scored by "
+         f"{(name + ': ') if name else ''}{stage['teacher']}"
+         f"{' (the base weights, adapter disabled)' if teacher == BASE else ''}")
+    stages.precompute(os.path.join(d, f"precompute{tag}.yaml"), stop, f"round {r + 1}{tag}")
     if not os.path.isfile(where):      # stopped before it knew where its cache goes
-        return False
+        return None
     with open(where) as f:
         cache = f.read().strip()
     try:
         m = load_manifest(cache)
     except KdcacheError:
         if stop.signal:                # stopped before its first commit: nothing of it is kept
-            return False
+            return None
         raise
     if not m.complete:
-        return False
-    entry.update(cache=cache, stage="scored", teacher_tokens=int(m["counts"]["tokens"]))
-    return True
+        return None
+    return cache, int(m["counts"]["tokens"])
 
 
 def _train(cfg, train, r, entry, stop, stages):
@@ -221,9 +267,11 @@ def _train(cfg, train, r, entry, stop, stages):
 
 
 def teacher_of(cfg):
-    """The teacher that scores each round. `base` is --student itself: a LoRA student's base weights never train,
-    so the model in --student is exactly the student with its adapter disabled (ms-swift's OPSD, tinker's SDFT)."""
-    return cfg.student if cfg.teacher == BASE else cfg.teacher
+    """The teacher that scores each round (the first, with routed teachers). `base` is --student itself: a LoRA
+    student's base weights never train, so the model in --student is exactly the student with its adapter
+    disabled (ms-swift's OPSD, tinker's SDFT)."""
+    t = next(iter(teachers(cfg.teacher).values()))
+    return cfg.student if t == BASE else t
 
 
 def student_of_round(cfg, r):
@@ -231,18 +279,20 @@ def student_of_round(cfg, r):
     return cfg.student if r == 0 else os.path.join(cfg.out, "final")
 
 
-def read_prompts(path):
+def read_prompts(path, places=False):
     """The prompt records, one JSON text each: a JSONL file's non-blank lines as they are (precompute parses and
-    reports them), or each row of a Parquet file or save_to_disk directory."""
+    reports them), or each row of a Parquet file or save_to_disk directory. places: also where each is
+    ("FILE:LINE", or the row's place)."""
     if os.path.isfile(path) and path.endswith((".jsonl", ".json", ".ndjson")):
         with open(path, encoding="utf-8") as f:
-            rows = [line.rstrip("\r\n") for line in f if line.strip()]
+            got = [(line.rstrip("\r\n"), f"{path}:{n}") for n, line in enumerate(f, start=1) if line.strip()]
     else:
         from kdcache.pipeline.data import iter_rows
-        rows = [json.dumps(row) for row in iter_rows(path)]
-    if not rows:
+        got = [(json.dumps(row.data), row.where) for row in iter_rows(path)]
+    if not got:
         raise ConfigError(f"data: {path} holds no prompt records")
-    return rows
+    rows = [g for g, _ in got]
+    return (rows, [w for _, w in got]) if places else rows
 
 
 # ---------------------------------------------------------------------------- the pieces
@@ -284,79 +334,6 @@ def _alive(pid):
     except PermissionError:
         return True
     return pid != os.getpid()
-
-
-# Settings of how a stage runs, not of what it makes: a rerun may change them (a restarted cluster, more workers).
-RUNTIME = {"progress", "ray_address", "ray_pass_credentials", "workers", "worker_cpus", "worker_gpus", "threads",
-           "max_in_flight", "requests_in_flight", "prefetch", "log_every", "save_every", "keep_checkpoints"}
-
-
-PATHS = {"teacher", "student", "data", "out", "store", "offpolicy_cache", "tokenizer"}   # compared absolute
-
-
-def _defaults(cls) -> dict:
-    out = {}
-    for f in dataclasses.fields(cls):
-        out[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    return out
-
-
-def _resolved(part, values) -> dict:
-    """A part's settings as they act: defaults filled in (an explicit `--seed 0` is the default, not a change),
-    paths absolute (a relative --out is the same directory), runtime-only keys left out."""
-    base = {"precompute": _defaults(PrecomputeConfig), "train": _defaults(TrainConfig)}.get(part, {})
-    merged = {**base, **values}
-    return {k: (os.path.abspath(v) if k in PATHS and isinstance(v, str) and "://" not in v
-                and not (k == "teacher" and v == BASE) else v)
-            for k, v in merged.items() if k not in RUNTIME}
-
-
-def _work_done(out) -> bool:
-    """Whether any round in `out` has begun its work (a cache started, a stage done): before that a rerun may
-    change the settings (a first run that failed on a bad flag must not lock them in)."""
-    summary = _load_summary(out)
-    if any(e.get("stage") != "new" or e.get("cache") for e in summary.get("rounds", [])):
-        return True
-    rounds = os.path.join(out, "rounds")
-    return os.path.isdir(rounds) and any(os.path.isfile(os.path.join(rounds, d, "cache.txt"))
-                                         for d in os.listdir(rounds))
-
-
-def _check_same_run(cfg, pre, train):
-    """A rerun continues the run in DIR only with its settings (other rounds or steps would be another schedule),
-    and on the same prompts: the prompt file is fingerprinted by content (an edit at the same path is a change)."""
-    from kdcache.cache_format.fingerprint import hash_tree
-    path = os.path.join(cfg.out, CONFIG)
-    now = {"onpolicy": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k != "stages"},
-                        "data_sha256": hash_tree(cfg.data)},
-           "precompute": {k: v for k, v in pre.items() if k not in RUNTIME},
-           "train": {k: v for k, v in train.items() if k not in RUNTIME}}
-    if os.path.isfile(path) and _work_done(cfg.out):
-        with open(path) as f:
-            before = yaml.safe_load(f) or {}
-        if "data_sha256" not in before.get("onpolicy", {}):      # written before prompts were fingerprinted
-            now["onpolicy"].pop("data_sha256")
-        a = {part: _resolved(part, before.get(part, {})) for part in now}
-        b = {part: _resolved(part, now[part]) for part in now}
-        differ = [f"{part}.{k}: {a[part].get(k)!r} then, {b[part].get(k)!r} now"
-                  for part in now for k in sorted(set(a[part]) | set(b[part])) if a[part].get(k) != b[part].get(k)]
-        if differ:
-            raise ConfigError(f"{cfg.out} holds an on-policy run with other settings ({'; '.join(differ)}). Rerun "
-                              "with the same settings (and prompts) to resume it, or pass another --out.")
-        return
-    atomic_write_bytes(path, yaml.safe_dump(now, sort_keys=True).encode())
-
-
-def _load_summary(out):
-    try:
-        with open(os.path.join(out, SUMMARY)) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return {"rounds": []}
-
-
-def _save_summary(out, summary):
-    atomic_write_bytes(os.path.join(out, SUMMARY), (json.dumps(summary, indent=1) + "\n").encode())
 
 
 def _entry(summary, r, cfg, n_prompts):

@@ -39,6 +39,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and not os.environ.get("OMP_NUM_T
 # 50-350 s each).
 LONGEST_FILES = ("pipeline/test_precompute.py", "train/test_trainer.py", "train/test_trainer_resume.py",
                  "pipeline/test_sampled.py", "pipeline/test_served.py", "kdcache/test_onpolicy.py",
+                 "kdcache/test_onpolicy_routed.py",
                  "kdcache/test_demo.py", "pipeline/test_generator.py", "pipeline/test_vllm_families.py",
                  "bench/test_chaos.py", "pipeline/test_remote_store.py", "pipeline/test_large_vocab.py",
                  "pipeline/test_ids_records.py", "examples/test_recipes.py", "pipeline/test_startup.py")

@@ -185,8 +185,8 @@ def check_order(path, order, new_cache=False):
     # caches added on a resume (mixing begun, a second --cache): their keys are not in the saved order
     differ += [k for k in ("mix", "mix_lambda", "caches", "cache_weights") if k in order and k not in saved]
     other_cache = any(k in CACHE_KEYS for k in differ)
-    if new_cache and other_cache:
-        differ = [k for k in differ if k not in CACHE_KEYS]
+    if new_cache and other_cache:      # a new round's caches (routed teachers: one or several) read from their start
+        differ = [k for k in differ if k not in CACHE_KEYS + ("caches", "cache_weights")]
     differ = [f"{k}: {saved.get(k)!r} in the checkpoint, {order.get(k)!r} now" for k in differ]
     if not differ:
         return new_cache and other_cache

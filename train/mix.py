@@ -133,8 +133,10 @@ class MultiStream:
         if "streams" in state:
             saved = {d["cache"]: d for d in state["streams"]}
             keep = [saved.get(_identity(s)) for s in self.streams]
-        else:       # a two-cache state from before MultiStream: the mixed-in cache (the last) reads on
+        elif "mix" in state:     # a two-cache state from before MultiStream: the mixed-in cache (the last) reads on
             keep = [None] * (len(self.streams) - 1) + [state["mix"]]
+        else:                    # a one-cache state (a round that routed every prompt to one teacher)
+            keep = [None] * len(self.streams)
         self.position = MultiPosition(tuple(StreamPosition.from_dict(d) if d else StreamPosition() for d in keep),
                                       tuple(int(d.get("used", 0)) if d else 0 for d in keep),
                                       int(state.get("draws", 0)))

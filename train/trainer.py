@@ -20,7 +20,7 @@ from kdcache.common.errors import TrainDataError
 from kdcache.common.progress import bar
 from kdcache.common.signals import StopFlag
 
-from . import checkpoint, lora
+from . import checkpoint, counts, lora
 from .batch import collate
 from .checks import check_inputs, check_records, check_token_rkl_records
 from .data import CacheStream
@@ -260,7 +260,7 @@ def optimizer_step(run, window, position):
         run.by_cache[b.source] = [run.by_cache[b.source][0] + 1, run.by_cache[b.source][1] + b.n_positions,
                                   run.by_cache[b.source][2] + parts["kd"]]
     loss, kd, sft = (v / n_total for v in all_reduce(sums))
-    by_objective = _by_objective(run, per_objective)
+    by_objective = counts.by_objective(run.objectives, per_objective)
     run.step += 1
     run.stream.position = position
     now = time.perf_counter()
@@ -277,45 +277,7 @@ def optimizer_step(run, window, position):
             "epoch": run.stream.position.epoch, "outside_vocab": int(outside),
             # what the forward passes held, every rank's: rows and tokens with padding (--pack lowers both)
             "rows": int(rows), "batch_tokens": int(computed),
-            **_by_cache(run), **by_objective}
-
-
-def _by_cache(run):
-    """With several caches: {"by_cache": {cache: {"batches", "positions", "kd"}}} over every rank (kd: the mean
-    over that cache's positions of the step, None when it had none); with --mix-cache also "mixed_batches", the
-    micro-batches from it."""
-    caches = run.cfg.caches
-    if len(caches) < 2:
-        return {}
-    flat = all_reduce([float(v) for c in run.by_cache for v in c])
-    rows = {c: {"batches": int(flat[3 * i]), "positions": int(flat[3 * i + 1]),
-                "kd": flat[3 * i + 2] / flat[3 * i + 1] if flat[3 * i + 1] else None} for i, c in enumerate(caches)}
-    return {"by_cache": rows, **({"mixed_batches": rows[run.cfg.mix_cache]["batches"]} if run.cfg.mix_cache else {})}
-
-
-def _by_objective(run, per_objective):
-    """{"positions_by_objective": {objective: N}, "kd_by_objective": {objective: mean KD}} over every rank, for a
-    run whose caches train different objectives (a token-rkl run's off-policy --mix-cache); {} otherwise."""
-    if len(set(run.objectives)) < 2:
-        return {}
-    flat = all_reduce([v for o in OBJECTIVES for v in per_objective[o]])
-    n = {o: int(flat[2 * i]) for i, o in enumerate(OBJECTIVES)}
-    return {"positions_by_objective": n,
-            "kd_by_objective": {o: (flat[2 * i + 1] / n[o] if n[o] else None) for i, o in enumerate(OBJECTIVES)}}
-
-
-def _cache_totals(cfg, rows):
-    """With several caches: {cache: {"batches", "positions", "kd"}} over the logged steps (every step at
-    --log-every 1), kd the mean over that cache's positions; None with one cache."""
-    if len(cfg.caches) < 2:
-        return None
-    out = {}
-    for c in cfg.caches:
-        got = [r["by_cache"][c] for r in rows if c in r.get("by_cache", {})]
-        n = sum(g["positions"] for g in got)
-        kd = sum(g["kd"] * g["positions"] for g in got if g["kd"] is not None)
-        out[c] = {"batches": sum(g["batches"] for g in got), "positions": n, "kd": kd / n if n else None}
-    return out
+            **counts.by_cache(run.cfg, run.by_cache), **by_objective}
 
 
 def finish(run, reason, resume_cmd):
@@ -332,7 +294,7 @@ def finish(run, reason, resume_cmd):
     untrained = _untrained(run)
     rows = read_metrics(os.path.join(cfg.out, METRICS)) if rank == 0 else []
     outside = sum(int(r.get("outside_vocab") or 0) for r in rows)
-    by_cache = _cache_totals(cfg, rows)
+    by_cache = counts.cache_totals(cfg, rows)
     final = os.path.join(cfg.out, "final")
     stops_like_the_teacher(run.engine.module.model, run.tok, stream.cache.manifest)
     save_final(run.engine.module.model, run.tok, final, rank, run.stage)

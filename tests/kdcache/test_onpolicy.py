@@ -255,26 +255,26 @@ def test_a_rerun_with_other_settings_or_a_bad_student_is_refused(tiny, tmp_path)
     cfg, pre, train = onpolicy.parse(base + ["--beta", "0.5", "--top-k", "8"])
     assert pre == {"top_k": 8} and train == {"beta": 0.5}
     os.makedirs(cfg.out)
-    onpolicy._check_same_run(*onpolicy.parse(base + ["--beta", "0.9"]))     # a first run that did no work...
-    onpolicy._check_same_run(cfg, pre, train)                               # ...does not lock its settings in
-    onpolicy._save_summary(cfg.out, {"rounds": [{"round": 1, "stage": "scored", "cache": "c"}]})   # work done
-    onpolicy._check_same_run(*onpolicy.parse(base + ["--beta", "0.5", "--top-k", "8", "--no-progress"]))
+    onpolicy.check_same_run(*onpolicy.parse(base + ["--beta", "0.9"]))     # a first run that did no work...
+    onpolicy.check_same_run(cfg, pre, train)                               # ...does not lock its settings in
+    onpolicy.save_summary(cfg.out, {"rounds": [{"round": 1, "stage": "scored", "cache": "c"}]})   # work done
+    onpolicy.check_same_run(*onpolicy.parse(base + ["--beta", "0.5", "--top-k", "8", "--no-progress"]))
     with pytest.raises(ConfigError, match=r"train\.beta: 0\.5 then, 0\.0 now"):
-        onpolicy._check_same_run(*onpolicy.parse(base + ["--beta", "0", "--top-k", "8"]))
+        onpolicy.check_same_run(*onpolicy.parse(base + ["--beta", "0", "--top-k", "8"]))
     # an explicit default and a relative --out are the same run (issue 42, item 12)
-    onpolicy._check_same_run(*onpolicy.parse(base + ["--beta", "0.5", "--top-k", "8", "--seed", "0", "--lr",
+    onpolicy.check_same_run(*onpolicy.parse(base + ["--beta", "0.5", "--top-k", "8", "--seed", "0", "--lr",
                                                      "0.0005", "--gen-temperature", "1.0"]))
     here = os.getcwd()
     os.chdir(tmp_path)
     try:
         rel = base[:base.index("--out") + 1] + ["o"] + base[base.index("--out") + 2:]
-        onpolicy._check_same_run(*onpolicy.parse(rel + ["--beta", "0.5", "--top-k", "8"]))
+        onpolicy.check_same_run(*onpolicy.parse(rel + ["--beta", "0.5", "--top-k", "8"]))
     finally:
         os.chdir(here)
     with open(data, "a") as f:                                              # the prompts edited at the same path
         f.write(json.dumps(tiny["train"][5]) + "\n")
     with pytest.raises(ConfigError, match=r"onpolicy\.data_sha256: '[0-9a-f]+' then"):
-        onpolicy._check_same_run(*onpolicy.parse(base + ["--beta", "0.5", "--top-k", "8"]))
+        onpolicy.check_same_run(*onpolicy.parse(base + ["--beta", "0.5", "--top-k", "8"]))
     with pytest.raises(ConfigError, match="beta"):
         onpolicy.parse(base + ["--beta", "2"])              # the stage's own checks run before any stage starts
     with pytest.raises(SystemExit):
