@@ -458,13 +458,14 @@ def test_a_refused_sequence_fails_its_shard_naming_the_sample(served, tmp_path):
     spec = WorkerSpec("served", served.server.url, teacher_kwargs={"requests_in_flight": 2},
                       storage=Storage("arrow", K + 1), vocab_size=400, generate=None)      # the tiny teacher's
     worker = TeacherWorker(spec)
-    samples = [SimpleNamespace(sample_id=40 + i, input_ids=np.arange(2, 8 + i, dtype=np.int32),
-                               positions=np.array([0, 1], np.int32), truncated=False) for i in range(3)]
+    from kdcache.pipeline.encode import Sample
+    samples = [Sample(sample_id=40 + i, input_ids=np.arange(2, 8 + i, dtype=np.int32),
+                      positions=np.array([0, 1], np.int32), truncated=False) for i in range(3)]
     with pytest.raises(SampleFailed, match=r"^sample 4\d .*tokens\): the teacher server refused the scoring request "
                                            r".*HTTP 400.*greater than max allowed"):
         worker.run(Unit(str(tmp_path), None, 0, 40, 43, samples))
-    long = [SimpleNamespace(sample_id=7, input_ids=np.ones(600, np.int32), positions=np.array([0], np.int32),
-                            truncated=False)]
+    long = [Sample(sample_id=7, input_ids=np.ones(600, np.int32), positions=np.array([0], np.int32),
+                   truncated=False)]
     spec.storage = Storage("arrow", 4)
     with pytest.raises(SampleFailed, match="^sample 7 .*600 tokens and the teacher server's max_model_len is 512"):
         worker.run(Unit(str(tmp_path), None, 0, 7, 8, long))
