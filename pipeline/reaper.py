@@ -3,13 +3,16 @@
 Ray starts most of its processes with PR_SET_PDEATHSIG, but not all: after a kill -9 of the driver alone, its
 dashboard and runtime-env agents were seen alive a minute later (issue 23). So a job that starts its own Ray
 also starts this reaper: a small process that watches the driver through a pipe and, once the pipe closes
-(the driver exited, however it died), kills what the driver's process tree held at its last look, less what it
-held when the reaper started.
+(the driver exited, however it died), kills what the driver's process tree held at any look and still runs,
+less what it held when the reaper started.
 
-Each look records (pid, start time), so a pid reused since is never killed. A process the last look missed (two
-of Ray's agents once outlived a driver on a loaded machine, likely started between looks) is found two ways: as
-the child of a process being reaped, and by its Ray session (once the driver has told the reaper its session
-directory, announce, every process whose stdout or stderr is a file in that directory, as all of Ray's are).
+Each look records (pid, start time), so a pid reused since is never killed, and adds to what earlier looks saw
+(less what has exited since). A look that ran while the driver's exit reparented its children saw only part of
+the tree (two of Ray's agents outlived a driver killed on a loaded machine, CI 2026-12); a subtree that left the
+tree while the driver lived (its parent exited) is still the job's. A process no look saw (started after the
+last one) is found two ways: as the child of a process being reaped, and by its Ray session (once the driver has
+told the reaper its session directory, announce, every process whose stdout or stderr is a file in that
+directory, as all of Ray's are).
 
 The reaping is bounded by events, not by waits, so a busy machine cannot outrun it: every process found is
 stopped (SIGSTOP) and seen stopped before the next look, so none of them can start another unseen; looks repeat
@@ -131,7 +134,8 @@ def watch(driver: int, before=frozenset()):
                 if line.startswith(b"session "):
                     sessions.append(line[len(b"session "):].decode())
                 clean = clean or line == b"clean"
-        seen = tree(driver, skip={os.getpid()} | before) or seen
+        seen = {pid: started for pid, started in seen.items() if _same(pid, started)}
+        seen.update(tree(driver, skip={os.getpid()} | before))
     t0 = time.monotonic()
     killed, stuck = reap(seen, sessions, skip={os.getpid()} | set(before))
     if killed or stuck:

@@ -54,6 +54,54 @@ def _alive(pid):
         return False
 
 
+LEFT_DRIVER = """
+import subprocess, sys, time
+from kdcache.pipeline import reaper
+r = reaper.start()
+subprocess.Popen(["sleep", "300"])                     # keeps the driver's tree non-empty at every look
+# a subtree that leaves the tree while the driver lives: its parent exits after 2 s, the grandchild (a session of
+# its own, logging nowhere) is then nobody's child, as Ray's agents are when a look runs mid-exit of the driver
+subprocess.Popen(["sh", "-c", "setsid sleep 300 < /dev/null > /dev/null 2>&1 & echo $! > " + sys.argv[1] + "; sleep 2"])
+time.sleep(60)
+"""
+
+
+def test_a_subtree_that_left_the_drivers_tree_between_looks_still_goes_with_the_driver(tmp_path):
+    """The CI failure of 2026-12-06: the reaper's last look saw part of the tree (some children already moved to
+    init), replaced what it had seen, and two agents outlived the driver. Looks now add up."""
+    pidfile = tmp_path / "grandchild.pid"
+    driver = subprocess.Popen([sys.executable, "-c", LEFT_DRIVER, str(pidfile)], cwd=user_project(), env=user_env())
+    deadline = time.time() + 30
+    while not (pidfile.exists() and pidfile.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.1)
+    grandchild = int(pidfile.read_text())
+    parent = _parent(grandchild)
+    deadline = time.time() + 30
+    while _parent(grandchild) == parent and time.time() < deadline:
+        time.sleep(0.1)
+    left = _parent(grandchild) != parent                 # the fault landed: its parent is gone, the driver lives
+    time.sleep(1.5)                                      # a few looks at the tree without it
+    assert driver.poll() is None
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and _alive(grandchild):
+        time.sleep(0.1)
+    alive = _alive(grandchild)
+    if alive:
+        os.kill(grandchild, signal.SIGKILL)
+    assert left, "the grandchild's parent never exited"
+    assert not alive, "a process that left the driver's tree while it lived outlived the driver"
+
+
+def _parent(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(") ", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
 SESSION_DRIVER = """
 import subprocess, sys, time
 from kdcache.pipeline import reaper
