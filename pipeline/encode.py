@@ -38,11 +38,17 @@ class Sample:
 
 
 def with_completion(sample: Sample, new_ids, ended: bool) -> Sample:
-    """Generate mode: the prompt plus the teacher's completion, trained on every generated token (the
-    end-of-turn step included). No end-of-turn within the budget: flagged truncated."""
-    ids = np.concatenate([sample.input_ids, np.asarray(new_ids, dtype=np.int32)])
-    return replace(sample, input_ids=ids, positions=span_positions([(len(sample.input_ids), len(ids))]),
-                   truncated=not ended)
+    """Generate mode: the prompt plus the completion, trained on every generated token (the end-of-turn step
+    included); with a teacher view, the teacher's prompt plus the same completion. No end-of-turn within the
+    budget: flagged truncated."""
+    new_ids = np.asarray(new_ids, dtype=np.int32)
+    ids = np.concatenate([sample.input_ids, new_ids])
+    s = replace(sample, input_ids=ids, positions=span_positions([(len(sample.input_ids), len(ids))]),
+                truncated=not ended)
+    if sample.teacher_ids is not None:      # the same completion after the teacher's prompt
+        t_ids = np.concatenate([sample.teacher_ids, new_ids])
+        s.teacher_ids, s.teacher_positions = t_ids, span_positions([(len(sample.teacher_ids), len(t_ids))])
+    return s
 
 
 def end_of_turn_ids(tok, extra=()):
@@ -244,25 +250,37 @@ class Encoder:
 
     # -- generate mode: the prompt only ----------------------------------------------------
     def encode_prompt(self, ex: Example, sample_id: int = 0) -> Sample:
-        if ex.teacher_messages is not None or ex.teacher_input_ids is not None:
-            raise BadRow("a teacher view (teacher_messages, teacher_input_ids) is scored with the record's own "
-                         "completions: use score mode (no --generate) for it")
-        if ex.kind == "ids":        # the ids before the first trained one (all of them, without labels)
-            ids = self._in_vocab(ex.input_ids)
-            first = None if ex.labels is None else next(t for t, y in enumerate(ex.labels) if t and y != IGNORE)
-            return self._prompt(sample_id, ids if first is None else ids[:first])
+        """The prompt to generate from; with a teacher view, the teacher's prompt too (its teacher_ids, no
+        positions yet): the completion then goes after each (with_completion)."""
         if ex.kind == "text":
             raise SkipSample("text_in_generate", "plain text records have no prompt to generate from")
+        if ex.kind == "ids":        # the ids before the first trained one (all of them, without labels)
+            teacher = None if ex.teacher_input_ids is None else \
+                self._ids_prompt(ex.teacher_input_ids, ex.teacher_labels, "teacher_input_ids")
+            return self._prompt(sample_id, self._ids_prompt(ex.input_ids, ex.labels), teacher)
         msgs = self._messages(ex) or [{"role": "user", "content": ex.prompt}]
+        teacher = None if ex.teacher_messages is None else self._chat_prompt(ex.teacher_messages)
+        return self._prompt(sample_id, self._chat_prompt(msgs), teacher)
+
+    def _ids_prompt(self, input_ids, labels, name="input_ids"):
+        ids = self._in_vocab(input_ids, name)
+        first = None if labels is None else next(t for t, y in enumerate(labels) if t and y != IGNORE)
+        return ids if first is None else ids[:first]
+
+    def _chat_prompt(self, msgs):
+        """The ids of msgs before their last assistant turn, with the generation prompt."""
         msgs = msgs[:max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=len(msgs))]
         if self.template == "chat":
-            ids = self.tok(render(self.tok, msgs, gen_prompt=True), add_special_tokens=False)["input_ids"]
-        else:
-            ids = self._raw_chat(msgs)[0]
-        return self._prompt(sample_id, ids)
+            return self.tok(render(self.tok, msgs, gen_prompt=True), add_special_tokens=False)["input_ids"]
+        return self._raw_chat(msgs)[0]
 
-    def _prompt(self, sample_id, ids) -> Sample:
-        if len(ids) >= self.max_length:
-            raise SkipSample("too_long", f"prompt of {len(ids)} tokens leaves no room under max_length "
+    def _prompt(self, sample_id, ids, teacher=None) -> Sample:
+        longest = max(len(ids), len(teacher) if teacher is not None else 0)
+        if longest >= self.max_length:
+            view = "prompt" if len(ids) == longest else "teacher's prompt (teacher view)"
+            raise SkipSample("too_long", f"{view} of {longest} tokens leaves no room under max_length "
                              f"{self.max_length}")
-        return Sample(sample_id, np.asarray(ids, dtype=np.int32), np.zeros(0, np.int32), False)
+        s = Sample(sample_id, np.asarray(ids, dtype=np.int32), np.zeros(0, np.int32), False)
+        if teacher is not None:
+            s.teacher_ids, s.teacher_positions = np.asarray(teacher, dtype=np.int32), np.zeros(0, np.int32)
+        return s

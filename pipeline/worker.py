@@ -106,17 +106,20 @@ class TeacherWorker:
     def _generate(self, samples: list[Sample], k: int):
         """Prompts -> (prompt + completion samples (see encode.with_completion), their (Scored, Draws or None),
         each one's behaviour log-probs or None). The teacher's completions: in one pass where the backend offers
-        generate_scored (not with --sample), else generate then score. A --generator's: it generates (ids below the
-        teacher's vocabulary only, with the log-prob of each sampled token), the teacher scores."""
+        generate_scored (not with --sample), else generate then score; from the teacher's own prompt where the record
+        gives a teacher view. A --generator's: it generates from the student's prompt (ids below the teacher's
+        vocabulary only, with the log-prob of each sampled token), the teacher scores under its own view."""
         g = self.spec.generate
         prompts = [s.input_ids for s in samples]
-        args = dict(max_new_tokens=[min(g["max_new_tokens"], g["max_length"] - len(p)) for p in prompts],
+        room = [g["max_length"] - max(len(s.input_ids), len(s.scored[0])) for s in samples]   # both views fit
+        args = dict(max_new_tokens=[min(g["max_new_tokens"], r) for r in room],
                     temperature=g["temperature"], top_p=g["top_p"], seeds=[g["seed"] + s.sample_id for s in samples],
                     turn_ends=set(g["turn_ends"]))
         if self.generator is not None:
             gens = self.generator.generate(prompts, **args, logprobs=True, vocab_limit=self.spec.vocab_size)
             full = [with_completion(s, new, ended) for s, (new, ended, _) in zip(samples, gens)]
             return full, self._score(full, k), [lps for _, _, lps in gens]
+        prompts = [s.scored[0] for s in samples]    # the teacher generates in its own view (privileged context)
         if hasattr(self.teacher, "generate_scored") and not self.spec.storage.sample:
             out = self.teacher.generate_scored(prompts, k=k, **args)
             full = [with_completion(s, new, ended) for s, (new, ended, _) in zip(samples, out)]

@@ -119,3 +119,41 @@ def test_teacher_base_without_lora_is_refused(tiny, tmp_path):
     with pytest.raises(ConfigError, match="teacher: `base` is the base weights under a LoRA student"):
         parse(["--teacher", "base", "--student", tiny["teacher"], "--data", "x.jsonl", "--out", str(tmp_path),
                "--prompts-per-round", "2", "--steps-per-round", "2"])
+
+
+def test_self_distillation_with_privileged_context_scores_the_students_completions_in_the_teachers_view(
+        tiny, tmp_path):
+    """OPSD from a cache: the prompts carry teacher_messages (a hint in a system prompt); the student generates from
+    its own prompt and the base, adapter disabled, scores each completion after the hinted prompt."""
+    from transformers import AutoModelForCausalLM
+
+    from kdcache.pipeline.data import parse_row
+    from kdcache.pipeline.encode import Encoder
+    hint = [{"role": "system", "content": "Hint: the skills are listed in the posting."}]
+    recs = [dict(r, teacher_messages=hint + r["messages"]) for r in tiny["train"][:2]]
+    data = write_jsonl(tmp_path / "hinted.jsonl", recs)
+    out = str(tmp_path / "opsd")
+    args = ["--teacher", "base", "--lora-r", 4, "--sft-alpha", 0.5, "--student", tiny["teacher"], "--data", data,
+            "--out", out, "--rounds", 1, "--prompts-per-round", 2, "--steps-per-round", 2, "--batch-size", 2,
+            "--gen-max-new-tokens", 8, "--gen-temperature", 0, "--top-k", 8, "--logprob-dtype", "float32",
+            "--backend", "hf", "--no-progress", "--worker-cpus", "0.5"]
+    args, env = on_shared_ray(args, user_env(RAY_ADDRESS=""))
+    res = subprocess.run([sys.executable, "-m", "kdcache", "onpolicy", *map(str, args)], cwd=user_project(), env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = _metrics(out)
+    # the hint makes the base another teacher: without one, step 1's kd is below 1e-6 (the test above)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["kd"] > 5e-6, rows
+    cache = open_cache(json.load(open(os.path.join(out, "summary.json")))["rounds"][0]["cache"])
+    base = AutoModelForCausalLM.from_pretrained(tiny["teacher"], dtype=torch.float32).eval()
+    enc = Encoder(tiny["tok"])
+    for r, rec in zip(cache, recs):
+        p = enc.encode_prompt(parse_row(rec))
+        assert r.input_ids[:len(p.input_ids)].tolist() == p.input_ids.tolist()
+        assert r.teacher_input_ids[:len(p.teacher_ids)].tolist() == p.teacher_ids.tolist()
+        assert r.teacher_input_ids[len(p.teacher_ids):].tolist() == r.input_ids[len(p.input_ids):].tolist()
+        with torch.no_grad():
+            lp = torch.log_softmax(base(input_ids=torch.tensor([r.teacher_input_ids.tolist()])).logits[0], -1)
+        want = np.take_along_axis(lp[torch.as_tensor(r.teacher_positions, dtype=torch.long)].numpy(),
+                                  r.topk_ids.astype(np.int64), 1)
+        np.testing.assert_allclose(r.topk_logprobs, want, atol=2e-5)

@@ -46,10 +46,36 @@ def test_completions_that_differ_between_the_views_are_refused_by_turn(tiny):
                  + [{"role": "user", "content": "x"}])
     with pytest.raises(BadRow, match="assistant"):
         Encoder(tok).encode(parse_row(fewer))
-    with pytest.raises(BadRow, match="score mode"):
-        Encoder(tok).encode_prompt(parse_row(rec))
     with pytest.raises(BadRow, match="'teacher_messages' needs 'messages'"):
         parse_row({"prompt": "p", "completion": "c", "teacher_messages": rec["teacher_messages"]})
+
+
+def test_generate_mode_puts_one_completion_after_each_views_prompt(tiny):
+    """Generate mode (onpolicy's rollouts): the prompt of each view, then the same completion after both; the
+    trained positions are the completion's in each view."""
+    from kdcache.pipeline.encode import with_completion
+    tok = tiny["tok"]
+    rec = hinted(tiny["train"][0])
+    p = Encoder(tok).encode_prompt(parse_row(rec))
+    def want(msgs):
+        text = tok.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    assert p.input_ids.tolist() == want(rec["messages"]) and p.teacher_ids.tolist() == want(rec["teacher_messages"])
+    assert len(p.positions) == len(p.teacher_positions) == 0
+    new = [7, 8, 9]
+    full = with_completion(p, new, ended=True)
+    assert full.input_ids[len(p.input_ids):].tolist() == full.teacher_ids[len(p.teacher_ids):].tolist() == new
+    np.testing.assert_array_equal(full.input_ids[full.positions + 1], full.teacher_ids[full.teacher_positions + 1])
+    assert full.positions[0] == len(p.input_ids) - 1 and full.teacher_positions[0] == len(p.teacher_ids) - 1
+    plain = Encoder(tok).encode_prompt(parse_row(tiny["train"][0]))
+    assert plain.teacher_ids is None and with_completion(plain, new, True).teacher_ids is None
+    long = Encoder(tok, max_length=len(p.teacher_ids))
+    with pytest.raises(Exception, match="teacher's prompt"):
+        long.encode_prompt(parse_row(rec))                  # the teacher's prompt alone fills max_length
+    ids = {"input_ids": [5, 6, 9, 3], "labels": [IGN, IGN, 9, 3],
+           "teacher_input_ids": [5, 7, 7, 6, 9, 3], "teacher_labels": [IGN] * 4 + [9, 3]}
+    q = Encoder(tok, vocab_size=len(tok)).encode_prompt(parse_row(ids))
+    assert q.input_ids.tolist() == [5, 6] and q.teacher_ids.tolist() == [5, 7, 7, 6]
 
 
 def test_id_records_take_teacher_ids_whose_labels_train_the_same_tokens(tiny):
@@ -118,3 +144,52 @@ def test_a_hinted_cache_holds_the_teachers_scores_in_its_own_context(tiny, tmp_p
                      "--top-k", 8, shared_ray=True)
     assert res.returncode != 0 and f"{data}:3" in res.stderr and "assistant turn 0 differs" in res.stderr, \
         res.stderr[-3000:]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_generate_mode_with_teacher_views_scores_each_completion_in_the_teachers_context(tiny, stopping, tmp_path):
+    """--mode generate on hinted records (onpolicy's rollouts). With a --generator (the student's part): it
+    generates from the student's prompt, its log-probs are taken there, and the teacher scores the same completion
+    after its own prompt. Without one, the teacher (one that stops for some prompts only) generates greedily in its
+    own view."""
+    from kdcache.pipeline.teacher_hf import HFTeacher
+    recs = [hinted(r) for r in tiny["train"][:8]]
+    data = write_jsonl(tmp_path / "d.jsonl", recs)
+    common = ("--data", data, "--backend", "hf", "--mode", "generate", "--gen-max-new-tokens", 12, "--top-k", 8,
+              "--logprob-dtype", "float32", "--seed", 5)
+    res = precompute("--teacher", tiny["teacher"], "--generator", tiny["teacher"], "--out", tmp_path / "g",
+                     "--gen-temperature", 0.8, *common, shared_ray=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert verify_cache(str(tmp_path / "g")).ok
+    enc = Encoder(tiny["tok"])
+    model = HFTeacher(tiny["teacher"], dtype="float32").model
+
+    def log_softmax(ids, temperature=1.0):
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids.tolist()])).logits[0].float() / temperature, -1)
+
+    got = list(open_cache(str(tmp_path / "g")))
+    assert [r.sample_id for r in got] == list(range(8))
+    for r, rec in zip(got, recs):
+        p = enc.encode_prompt(parse_row(rec))
+        n = len(r.input_ids) - len(p.input_ids)
+        assert n > 0 and r.input_ids[:len(p.input_ids)].tolist() == p.input_ids.tolist()
+        assert r.teacher_input_ids[:len(p.teacher_ids)].tolist() == p.teacher_ids.tolist()
+        assert r.teacher_input_ids[len(p.teacher_ids):].tolist() == r.input_ids[len(p.input_ids):].tolist()
+        top = log_softmax(r.teacher_input_ids)[torch.as_tensor(r.teacher_positions, dtype=torch.long)].topk(8)
+        np.testing.assert_allclose(r.topk_logprobs, top.values.numpy(), atol=1e-4)
+        student = log_softmax(r.input_ids, 0.8)[torch.as_tensor(r.positions, dtype=torch.long), r.targets].numpy()
+        np.testing.assert_allclose(r.behavior_logprobs, student, atol=2e-5)      # sampled in the student's view
+    # the teacher alone, greedy: each token is the argmax of the teacher's view, not of the student's
+    res = precompute("--teacher", stopping["greedy"], "--out", tmp_path / "t", "--gen-top-p", 1e-6, *common,
+                     shared_ray=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    model = HFTeacher(stopping["greedy"], dtype="float32").model
+    differs = 0
+    for r in open_cache(str(tmp_path / "t")):
+        t_pos = torch.as_tensor(r.teacher_positions, dtype=torch.long)
+        assert log_softmax(r.teacher_input_ids)[t_pos].argmax(-1).tolist() == r.targets.tolist()
+        differs += log_softmax(r.input_ids)[torch.as_tensor(r.positions, dtype=torch.long)].argmax(-1).tolist() \
+            != r.targets.tolist()
+    assert differs > 0                                      # the hint changed what the teacher wrote somewhere
