@@ -122,19 +122,21 @@ def _wait(predicate, proc, what, timeout=300):
     return value
 
 
-def _held_worker(loop, round2_location):
+def _held_worker(loop, round2_location, held=None):
     """The loop, its processes and those of this test process's Ray head (its workers: the head's, or its fork
     server's) that stopped themselves (KDCACHE_STOP_AT): the teacher worker that holds round 2's second shard is
-    returned, any other (the loop, or its worker on an earlier shard) is let go on."""
+    returned, any other (the loop, or its worker on an earlier shard) is let go on. With `held` (that worker, found
+    already) every other stopped process is let go on: the loop may stop at its own fourth publish after the worker
+    did."""
     from tests.helpers.raycluster import shared_head
     head = shared_head()
     roots = (loop.pid, head.proc.pid) + ((head.forks.pid,) if head.forks else ())
     for root in roots:
         for p in [psutil.Process(root)] * (root == loop.pid) + psutil.Process(root).children(recursive=True):
             try:
-                if p.status() != psutil.STATUS_STOPPED:
+                if p.status() != psutil.STATUS_STOPPED or (held is not None and p.pid == held.pid):
                     continue
-                if "TeacherWorker" in " ".join(p.cmdline()) and os.path.isfile(round2_location):
+                if held is None and "TeacherWorker" in " ".join(p.cmdline()) and os.path.isfile(round2_location):
                     return p
                 p.resume()
             except psutil.NoSuchProcess:
@@ -199,7 +201,8 @@ def test_a_loop_killed_in_round_two_and_rerun_equals_one_that_ran_through(straig
     proc = subprocess.Popen(cmd, cwd=user_project(), env=dict(env, KDCACHE_STOP_AT="before-publish@4"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     worker = _wait(lambda: _held_worker(proc, os.path.join(round2, "cache.txt")), proc, "round 2's second shard")
-    _wait(lambda: _committed(os.path.join(round2, "cache.txt")) >= 1, proc, "round 2's first shard")
+    _wait(lambda: _held_worker(proc, os.path.join(round2, "cache.txt"), held=worker) is None
+          and _committed(os.path.join(round2, "cache.txt")) >= 1, proc, "round 2's first shard")
     stages = psutil.Process(proc.pid).children(recursive=True)
     proc.kill()
     for st in stages:                       # none where the stages are kept up in the loop
