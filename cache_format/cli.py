@@ -132,16 +132,25 @@ def _store_hint(path):
         return ""
 
 
-def verify_main(argv=None):
+def verify_parser():
     p = _parser("verify", "Check every checksum and structural invariant of a cache. Exit 0 when sound, 1 with "
                           "the shard and reason when not.", CACHE)
     p.add_argument("--quick", action="store_true", help="checksums and sizes only; skip decoding records")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = p.parse_args(argv)
+    return p
+
+
+def verify_main(argv=None):
+    return verify_report(verify_parser().parse_args(argv))
+
+
+def verify_report(args, extra=None):
+    """Verify args.cache and print the report (as one JSON object with --json, extra's keys added). The exit code."""
     rep = verify_cache(args.cache, structure=not args.quick)
     if args.json:
         print(json.dumps({"ok": rep.ok, "problems": rep.problems, "warnings": rep.warnings,
-                          "shards_checked": rep.shards_checked, "samples_checked": rep.samples_checked}))
+                          "shards_checked": rep.shards_checked, "samples_checked": rep.samples_checked,
+                          **(extra or {})}))
     else:
         for where, why in rep.warnings:
             print(f"warning  {where}: {why}")

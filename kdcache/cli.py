@@ -15,7 +15,8 @@ COMMANDS = {
                  "trained on (resumable)"),
     "eval": ("kdcache.train.eval", "main", "compare teacher and students on held-out prompts; writes report.md"),
     "inspect": ("kdcache.cache_format.cli", "inspect_main", "summarize a logit cache"),
-    "verify": ("kdcache.cache_format.cli", "verify_main", "check every checksum and invariant of a cache"),
+    "verify": ("kdcache.pipeline.rescore", "verify_main", "check every checksum and invariant of a cache (and with "
+               "--rescore, the engine gap)"),
     "ls": ("kdcache.cache_format.cli", "ls_main", "list the caches in a store (a directory or a URL)"),
     "gc": ("kdcache.cache_format.cli", "gc_main", "remove incomplete or unused caches from a store (not in use)"),
 }

@@ -70,6 +70,12 @@ class PrecomputeConfig:
     worker_gpus: float = field(-1.0, "Ray GPUs per worker; -1 = 1 if the cluster has GPUs, else 0")
     threads: int = field(0, "torch threads per hf worker (0: $OMP_NUM_THREADS, else this process's cores / workers)")
     max_in_flight: int = field(2, "shards queued per worker (bounds memory)")
+    canary_positions: int = field(256, "served teacher: positions of the job's own data scored when the job "
+                                       "starts, resumes or finds its cache, and when each worker starts; the first "
+                                       "scores are kept in the manifest, a server that scores them otherwise is "
+                                       "refused (0: off)")
+    canary_tolerance: float = field(0.05, "served teacher: the largest mean difference (nats) of the canary's "
+                                          "log-probs from the manifest's")
     requests_in_flight: int = field(8, "served teacher: HTTP requests in flight per worker (one sequence each)")
     batch_tokens: int = field(0, "tokens per teacher forward batch (vLLM: per engine step); 0 = 8192, or for vLLM "
                                  "on CPU its own CPU default, 4096 per TP x PP rank (7-10%% faster there), or "
@@ -118,6 +124,8 @@ class PrecomputeConfig:
             ("worker_cpus", self.worker_cpus is None or self.worker_cpus > 0, "must be > 0"),
             ("max_in_flight", self.max_in_flight >= 1, "must be >= 1"),
             ("requests_in_flight", self.requests_in_flight >= 1, "must be >= 1"),
+            ("canary_positions", self.canary_positions >= 0, "must be >= 0 (0: no canary)"),
+            ("canary_tolerance", self.canary_tolerance >= 0, "must be >= 0"),
             ("batch_tokens", self.batch_tokens >= 0, "must be >= 0 (0: the backend's default)"),
             ("gen_max_new_tokens", self.gen_max_new_tokens >= 1, "must be >= 1"),
             ("gen_temperature", self.gen_temperature >= 0, "must be >= 0"),

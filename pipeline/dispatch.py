@@ -25,6 +25,7 @@ from kdcache.common.env import env_seconds
 from kdcache.common.errors import Interrupted, WorkerDied
 from kdcache.common.signals import SIGNALS, StopFlag
 
+from .canary import CanaryError
 from .placement import gpus_per_worker, resolve_workers, worker_options
 from .ray_start import own_ray, start_ray
 from .worker import TeacherWorker, Unit
@@ -338,6 +339,8 @@ def _loaded(ray, ref, flag):
         raise WorkerDied(f"a teacher worker died while loading the teacher: {e}") from e
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if getattr(e, "cause", None) is not None else e
+        if isinstance(cause, CanaryError):
+            raise CanaryError(str(cause)) from None
         raise WorkerDied(f"a teacher worker could not load the teacher: {type(cause).__name__}: {cause}") from e
 
 

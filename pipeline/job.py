@@ -23,12 +23,14 @@ from kdcache.cache_format.writer import cache_fingerprint, existing_manifest
 from kdcache.common.atomic import atomic_write_bytes
 from kdcache.common.errors import BadRow, DataError, Interrupted, SkipSample
 
+from . import canary
 from . import summary as report
 from .data import cache_records, is_cache, iter_rows, jsonl_lines, open_source_cache, parse_row
 from .dispatch import Dispatcher, RunStats, prestart_workers
 from .ray_start import RayStarter
 from .settle import Job, may_start_early, settle
 from .spool import Spool
+from .teacher_served import ServedTeacher
 
 
 def run_precompute(cfg, pool=None):
@@ -52,6 +54,7 @@ def run_precompute(cfg, pool=None):
             atomic_write_bytes(cfg.location_file, cfg.out.encode())
         done = existing_manifest(cfg.out, fp, full_parts)
         if done is not None and done.complete:
+            served_canary(job, done.meta)          # a served teacher: still the weights this cache holds
             print(f"{cfg.out}: a complete cache of these inputs exists (fingerprint {fp[:16]}); reusing it: "
                   "nothing to do, no teacher work.")
             stamp_use(Location(cfg.out))
@@ -171,6 +174,31 @@ def discard_uncommitted(writer):
     loc.remove(MANIFEST_NAME)
 
 
+def served_canary(job: Job, meta: dict):
+    """A served teacher's canary (canary.py), scored now and checked against meta's (a manifest's meta) where it has
+    one: CanaryError if it differs. Returns (the workers' check: WorkerSpec.canary, the new meta.canary where meta has
+    none); (None, None) for a local teacher (its fingerprint hashes its weights) or with --canary-positions 0."""
+    cfg = job.cfg
+    if job.server is None or not cfg.canary_positions:
+        return None, None
+    c = canary.pick(cfg, job.encoder, cfg.canary_positions)
+    if c is None:
+        return None, None
+    teacher = ServedTeacher(cfg.teacher, requests_in_flight=cfg.requests_in_flight, expect=job.server)
+    try:
+        logprobs = canary.score(teacher, c)
+    finally:
+        teacher.close()
+    reference, new = meta.get("canary"), None
+    if reference is not None:
+        mean = canary.check(reference, c, logprobs, cfg.canary_tolerance, cfg.teacher, "this job as it started")
+        print(f"canary: the teacher server scores the cache's {len(logprobs)} canary positions as before (mean "
+              f"difference {mean:.2g} nats, tolerance {cfg.canary_tolerance:g})")
+    else:
+        reference = new = canary.entry(c, logprobs, cfg.canary_tolerance)
+    return {"canary": c, "reference": reference, "tolerance": cfg.canary_tolerance}, new
+
+
 def run_job(job: Job, spool, starter=None, pool=None):
     """starter: Ray starting in the background (RayStarter), else started here once there is work for it. pool:
     as run_precompute's."""
@@ -199,13 +227,16 @@ def run_job(job: Job, spool, starter=None, pool=None):
     writer = CacheWriter(cfg.out, storage=job.storage, vocab_size=job.vocab_size, eos_token_ids=job.turn_ends,
                          fingerprint_parts=job.parts, shard_size=cfg.shard_size, num_records=n_records, meta=meta)
     with writer:
+        held, new = served_canary(job, writer.manifest.meta)
+        if new is not None:
+            writer.set_meta("canary", new)          # written with the first commit
         todo = set(range(n_units)) - writer.done_indices()
         at_start = len(writer.manifest.shards)
         if writer.resumed and todo:
             print(f"{cfg.out}: resuming, {n_units - len(todo)} of {n_units} shards already committed.")
         dispatch = None
         if todo:
-            spec = job.worker_spec()
+            spec = replace(job.worker_spec(), canary=held)
             starter = starter or (pool.start(cfg) if pool is not None else RayStarter(cfg.ray_address))
             dispatch = Dispatcher(cfg, writer, starter, spec, job.gpus, todo, n_records, spool, job.t_start, pool)
         try:

@@ -54,8 +54,14 @@ class HFTeacher:
         """See pipeline.teacher.Teacher: [(Scored, Draws)], the draws from the full distribution here."""
         return self._score(seqs, positions, k, n, seeds)
 
+    def score_at(self, seqs, positions, ids):
+        """The log-probs of given ids (int32 [P_i, n] per sequence; -1: none, log-prob -inf) at the positions, as
+        Scored with those ids in their order (kdcache verify --rescore: the cache's own top-k, scored here)."""
+        k = max((np.asarray(a).shape[1] for a in ids), default=0)
+        return [sc for sc, _ in self._score(seqs, positions, k, 0, None, at=ids)]
+
     @torch.no_grad()
-    def _score(self, seqs, positions, k, sample, seeds):
+    def _score(self, seqs, positions, k, sample, seeds, at=None):
         out = [None] * len(seqs)
         for idx in budget_groups(range(len(seqs)), lambda i: len(seqs[i]), max_tokens=self.batch_tokens):
             T = max(len(seqs[i]) for i in idx)
@@ -86,7 +92,12 @@ class HFTeacher:
                             logits = self.transform(logits)
                     lp = torch.log_softmax(logits, dim=-1)
                     target_lp = lp.gather(1, seq[pos + 1][:, None])[:, 0].cpu().numpy().astype(np.float32)
-                    if sample:
+                    if at is not None:          # score_at: the given ids
+                        top_ids = np.asarray(at[i][lo:lo + len(pos)], dtype=np.int32)
+                        want = torch.as_tensor(top_ids, dtype=torch.long, device=self.device).clamp(min=0)
+                        top_lp = lp.gather(1, want).cpu().numpy().astype(np.float32)
+                        top_lp[top_ids < 0] = -np.inf
+                    elif sample:
                         top_ids, top_lp, draw_ids, draw_lp = top_and_draws(lp, k, sample, gen)
                         drawn.append((draw_ids, draw_lp))
                     else:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from kdcache.cache_format import Record, Storage, write_shard_file
 from kdcache.cache_format.compact import sampled_rows
 
+from . import canary
 from .encode import Sample, with_completion
 from .teacher import SampleFailed, make_teacher
 
@@ -25,6 +26,7 @@ class WorkerSpec:
     generate: dict | None    # generate mode: max_new_tokens, temperature, top_p, seed, turn_ends, max_length
     generator: dict | None = None   # --generator: backend, model_path, kwargs (a Teacher that only generates)
     seed: int = 0                   # --sample: sample i's draws are seeded with seed + its id
+    canary: dict | None = None      # a served teacher's: {canary (canary.Canary), reference (meta.canary), tolerance}
 
 
 @dataclass
@@ -60,6 +62,10 @@ class TeacherWorker:
         if not keep:
             self.teacher = None
             self.teacher = make_teacher(spec.teacher_backend, spec.model_path, **spec.teacher_kwargs)
+        if spec.canary is not None:           # a served teacher: still the weights the cache was started with
+            c = spec.canary
+            canary.check(c["reference"], c["canary"], canary.score(self.teacher, c["canary"]), c["tolerance"],
+                         spec.model_path, "a teacher worker as it started")
         self.spec = spec
         g = spec.generator
         self.generator = None if g is None else make_teacher(g["backend"], g["model_path"], **g["kwargs"])

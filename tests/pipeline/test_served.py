@@ -718,3 +718,52 @@ def test_an_answer_larger_than_the_request_can_need_is_refused_unread():
                                                              max_bytes=100_000)
     finally:
         srv.close()
+
+
+# ---------------------------------------------------------------- the canary (last: it restarts the module's server)
+
+
+@pytest.mark.vllm
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_server_restarted_with_other_weights_is_refused_by_its_canary(served, served_cache, tiny, tmp_path):
+    """A served teacher's fingerprint cannot see its weights: its canary can. The cache keeps the canary's scores
+    (the teacher's log-probs of the next token at positions of its own data); a job stopped midway, rerun once the
+    server serves other weights under the same name, is refused naming positions and the difference, and nothing of
+    that server reaches the cache; so is a rerun that would reuse the complete cache."""
+    m = open_cache(served_cache).manifest
+    c = m["meta"]["canary"]
+    n = min(256, m["counts"]["positions"])
+    assert len(c["positions"]) == n > 100 and c["tolerance"] == 0.05
+    records = {r.sample_id: r for r in open_cache(served_cache)}
+    for (sid, t), lp in zip(c["positions"], c["target_logprobs"]):     # the cache's own scores at those positions
+        r = records[sid]
+        assert abs(r.target_logprobs[list(r.positions).index(t)] - lp) < TOL
+    # a job stopped by SIGTERM once it committed a shard (the same server: its canary is recorded)
+    out = tmp_path / "partial"
+    args, env = on_shared_ray(served_args(served, out), user_env(RAY_ADDRESS=""))
+    cmd = [sys.executable, "-m", "kdcache", "precompute", "--no-progress", "--worker-cpus", "0.5", *map(str, args)]
+    proc = subprocess.Popen(cmd, cwd=user_project(), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _poll_shards(out, proc)
+        proc.send_signal(15)
+        proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    before = open_cache(out).manifest
+    assert 0 < len(before["shards"]) < before["num_shards_planned"] and before["meta"]["canary"] == c
+    # the server comes back on the same port and name with other weights (the untrained teacher)
+    served.server.kill()
+    served.server.model_dir = tiny["teacher"]
+    served.server.start()
+    for where in (out, served_cache):                # the resume, and the reuse of the complete cache
+        res = precompute(*served_args(served, where), timeout=600, shared_ray=True)
+        assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-3000:]
+        assert f"the teacher server at {served.server.url} no longer scores like the one this cache was started " \
+               f"with: on its {n} canary positions" in res.stderr, res.stderr[-3000:]
+        assert "Most different: record " in res.stderr and "tolerance 0.05" in res.stderr
+        assert "reusing it" not in res.stdout
+    after = open_cache(out).manifest
+    assert after["shards"] == before["shards"] and after["meta"]["canary"] == c and verify_cache(out).ok
