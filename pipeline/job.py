@@ -185,6 +185,7 @@ def served_canary(job: Job, meta: dict):
     if c is None:
         return None, None
     teacher = ServedTeacher(cfg.teacher, requests_in_flight=cfg.requests_in_flight, expect=job.server)
+
     try:
         logprobs = canary.score(teacher, c)
     finally:
@@ -227,7 +228,11 @@ def run_job(job: Job, spool, starter=None, pool=None):
     writer = CacheWriter(cfg.out, storage=job.storage, vocab_size=job.vocab_size, eos_token_ids=job.turn_ends,
                          fingerprint_parts=job.parts, shard_size=cfg.shard_size, num_records=n_records, meta=meta)
     with writer:
-        held, new = served_canary(job, writer.manifest.meta)
+        try:
+            held, new = served_canary(job, writer.manifest.meta)
+        except BaseException:
+            discard_uncommitted(writer)             # a job stopped here leaves no cache, as if never started
+            raise
         if new is not None:
             writer.set_meta("canary", new)          # written with the first commit
         todo = set(range(n_units)) - writer.done_indices()

@@ -29,7 +29,7 @@ def test_sigterm_ends_a_job_held_by_a_silent_server_and_the_rerun_completes(tiny
     try:
         data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"docker {w}"} for w in ("sql", "ray", "zarr", "arrow")])
         args = ["--teacher", srv.url, "--tokenizer", tiny["teacher"], "--data", str(data), "--top-k", "1",
-                "--shard-size", "2", "--out", str(tmp_path / "c")]
+                "--shard-size", "2", "--out", str(tmp_path / "c"), "--canary-positions", "0"]   # a shard's request held
         env = user_env(RAY_ADDRESS="", KDCACHE_STOP_GRACE_S="2")
         proc = subprocess.Popen([sys.executable, "-m", "kdcache", "precompute", "--no-progress", "--worker-cpus",
                                  "0.5", *args], cwd=user_project(), env=env, stdout=subprocess.PIPE,
@@ -60,3 +60,4 @@ def test_sigterm_ends_a_job_held_by_a_silent_server_and_the_rerun_completes(tiny
     finally:
         answering.set()
         srv.close()
+
