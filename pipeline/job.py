@@ -54,7 +54,8 @@ def run_precompute(cfg, pool=None):
             atomic_write_bytes(cfg.location_file, cfg.out.encode())
         done = existing_manifest(cfg.out, fp, full_parts)
         if done is not None and done.complete:
-            served_canary(job, done.meta)          # a served teacher: still the weights this cache holds
+            if "canary" in done.meta:              # a served teacher: still the weights this cache holds
+                served_canary(job, done.meta)
             print(f"{cfg.out}: a complete cache of these inputs exists (fingerprint {fp[:16]}); reusing it: "
                   "nothing to do, no teacher work.")
             stamp_use(Location(cfg.out))
@@ -185,7 +186,6 @@ def served_canary(job: Job, meta: dict):
     if c is None:
         return None, None
     teacher = ServedTeacher(cfg.teacher, requests_in_flight=cfg.requests_in_flight, expect=job.server)
-
     try:
         logprobs = canary.score(teacher, c)
     finally:
