@@ -155,6 +155,11 @@ class Encoder:
                 raise BadRow(f"teacher_messages: assistant turn {n} differs from messages' (the completions the "
                              "teacher scores must be the student's, word for word)")
         t_ids, t_spans = self._chat(teacher_msgs)
+        if list(t_ids) == list(ids) and teacher_msgs != msgs:
+            raise BadRow("teacher_messages differs from messages, but the chat template renders both to the same "
+                         "tokens: the teacher's extra context is dropped (Mistral's template writes a system "
+                         "message only into a chat's last turn, and only when that is a user turn); put the "
+                         "context in a user turn")
         for n, ((a, b), (c, d)) in enumerate(zip(spans, t_spans)):
             if list(ids[a:b]) != list(t_ids[c:d]):
                 j = next((j for j, (x, y) in enumerate(zip(ids[a:b], t_ids[c:d])) if x != y), min(b - a, d - c))
