@@ -184,8 +184,8 @@ def test_two_ranks_under_zero_2_and_3_train_the_same_adapters(setup, tmp_path):
 
 @pytest.mark.parametrize("extra", [("--pack", "--max-tokens", 128), ("--max-tokens", 96), ("--objective", "sft"),
                                    ("--sft-alpha", 0.5, "--grad-accum", 2), ("--nproc-per-node", 2, "--threads", 1),
-                                   ("--mix-cache", "CACHE", "--mix-lambda", 0.5)],
-                         ids=["pack", "max-tokens", "sft", "sft-term-accum", "two-ranks", "mix-cache"])
+                                   ("--mix-cache", "CACHE", "--mix-lambda", 0.5), ("--deepspeed", 1)],
+                         ids=["pack", "max-tokens", "sft", "sft-term-accum", "two-ranks", "mix-cache", "zero-1"])
 def test_lora_runs_with_the_trainers_other_settings(setup, tmp_path, extra):
     extra = [second_cache(setup) if x == "CACHE" else x for x in extra]
     out = tmp_path / "o"
