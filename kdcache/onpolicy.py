@@ -81,9 +81,6 @@ class OnpolicyConfig:
             raise ConfigError("route_field: NAME=DIR teachers and --route-field come together (each prompt's field "
                               "names its teacher)" if named else "route_field: needs NAME=DIR teachers (--teacher "
                               "math=DIR --teacher code=DIR2)")
-        if named and self.offpolicy_cache:
-            raise ConfigError("offpolicy_cache: does not go with routed teachers yet; precompute the off-policy "
-                              "data per teacher and train with kdcache train --cache A --cache B")
 
     @property
     def routed(self) -> bool:
@@ -250,8 +247,7 @@ def _train(cfg, train, r, entry, stop, stages):
     until = (r + 1) * n
     stage = dict(train, cache=entry["cache"], student=cfg.student, out=cfg.out, max_steps=cfg.rounds * n,
                  until_step=until, new_cache=True, resume="auto")
-    if cfg.offpolicy_cache:
-        stage.update(mix_cache=cfg.offpolicy_cache, mix_lambda=cfg.lmbda)
+    stage.update(offpolicy_mix(cfg, entry))
     _write_yaml(os.path.join(d, "train.yaml"), stage)
     _say(f"round {r + 1}/{cfg.rounds}: training steps {r * n + 1}-{until} on {entry['cache']}")
     stages.train(os.path.join(d, "train.yaml"), stop, f"round {r + 1}")
@@ -264,6 +260,19 @@ def _train(cfg, train, r, entry, stop, stages):
         return False
     entry.update(stage="trained", done=True, steps=[r * n + 1, until])
     return True
+
+
+def offpolicy_mix(cfg, entry) -> dict:
+    """The train settings that mix --offpolicy-cache into a round: a micro-batch comes from the round's caches with
+    probability --lambda (routed teachers: shared among their caches in proportion to the positions each holds),
+    else from the off-policy cache."""
+    if not cfg.offpolicy_cache:
+        return {}
+    if not isinstance(entry["cache"], list):
+        return {"mix_cache": cfg.offpolicy_cache, "mix_lambda": cfg.lmbda}
+    tokens = [t["teacher_tokens"] for t in entry["teachers"].values()]     # in entry["cache"]'s order
+    weights = [cfg.lmbda * t / sum(tokens) for t in tokens] + [1.0 - cfg.lmbda]
+    return {"cache": entry["cache"] + [cfg.offpolicy_cache], "cache_weights": ",".join(f"{w:.6g}" for w in weights)}
 
 
 def teacher_of(cfg):
