@@ -271,7 +271,8 @@ def offpolicy_mix(cfg, entry) -> dict:
     if not isinstance(entry["cache"], list):
         return {"mix_cache": cfg.offpolicy_cache, "mix_lambda": cfg.lmbda}
     tokens = [t["teacher_tokens"] for t in entry["teachers"].values()]     # in entry["cache"]'s order
-    weights = [cfg.lmbda * t / sum(tokens) for t in tokens] + [1.0 - cfg.lmbda]
+    shares = [t / sum(tokens) for t in tokens] if sum(tokens) else [1 / len(tokens)] * len(tokens)
+    weights = [cfg.lmbda * s for s in shares] + [1.0 - cfg.lmbda]
     return {"cache": entry["cache"] + [cfg.offpolicy_cache], "cache_weights": ",".join(f"{w:.6g}" for w in weights)}
 
 
