@@ -145,8 +145,7 @@ def views(enc, rec, hint):
     """(ids, answer positions) of a held-out chat's reference answer: the student's view, or the hinted
     teacher's."""
     from kdcache.pipeline.data import parse_row
-    s = enc.encode(parse_row(hinted(rec) if hint else rec))
-    return s.scored if hint else (s.input_ids, s.positions)
+    return enc.encode(parse_row(hinted(rec) if hint else rec)).scored
 
 
 def score(model_dir, held, teachers, enc, hint=False):
