@@ -1,13 +1,15 @@
 """A hinted teacher's cache against an unhinted one (issue 45): privileged context distilled into a student.
 
-    .venv/bin/python bench/hinted.py [--seeds 3] [--steps 300] [--out bench/work/hinted]
+    .venv/bin/python bench/hinted.py [--seeds 3] [--steps 300] [--out bench/work/hinted] [--blind]
 
 Task: the demo's (a job posting -> its required skills, then the end of turn). The hint carries the answer: the
 teacher's system prompt "The required skills: docker, sql." (teacher_messages); the student sees only the posting.
 The twelve skills are split in two halves. The teacher (the demo's student size, hidden 96) is trained on chats that are
 either hinted (any skills: it learns to read the hint) or unhinted with skills of the first half only, so alone it
 maps the second half's paraphrases poorly, and with the hint it answers every posting. This is the case privileged
-context is for: a teacher that solves with the reference what it cannot solve alone.
+context is for: a teacher that solves with the reference what it cannot solve alone. It learns the second half's
+paraphrases from the hinted chats all the same; --blind gives each hinted chat another draw's posting, so that it
+cannot (BENCHMARKS.md has both).
 
 From one set of distillation chats (all skills, none in the teacher's training or the held-out set), two caches:
 `kdcache precompute` over "messages" (the unhinted teacher) and over the same records with "teacher_messages" (the
@@ -49,9 +51,12 @@ def skills_of(rec):
     return labels(rec["messages"][-1]["content"])
 
 
-def make_data(n_teacher, n_distil, n_held, seed=0):
+def make_data(n_teacher, n_distil, n_held, seed=0, blind=False):
     """(teacher training chats, distillation chats, held-out chats), no posting in two of them. The teacher's are
-    hinted (as {"messages": teacher view}) half the time; the unhinted half asks only for first-half skills."""
+    hinted (as {"messages": teacher view}) half the time; the unhinted half asks only for first-half skills.
+    blind: each hinted chat's posting is another draw's, so the hint alone names the answer and no second-half
+    paraphrase ever appears beside its skill: the teacher learns to copy the hint, and cannot map that half
+    alone."""
     rng, seen = random.Random(seed), set()
 
     def draw(ok=lambda r: True):
@@ -64,7 +69,10 @@ def make_data(n_teacher, n_distil, n_held, seed=0):
     teacher = []
     for i in range(n_teacher):
         if i % 2:
-            teacher.append({"messages": hinted(draw())["teacher_messages"]})
+            view = hinted(draw())["teacher_messages"]
+            if blind:
+                view[1] = draw()["messages"][0]
+            teacher.append({"messages": view})
         else:
             teacher.append(draw(lambda r: skills_of(r) <= set(FIRST)))
     distil = [draw() for _ in range(n_distil)]
@@ -100,7 +108,7 @@ def setup(out, args):
     if os.path.isfile(done):
         return json.load(open(done))
     os.makedirs(d, exist_ok=True)
-    teach, distil, held = make_data(args.teacher_chats, args.distil_chats, args.heldout)
+    teach, distil, held = make_data(args.teacher_chats, args.distil_chats, args.heldout, blind=args.blind)
     tok = train_tokenizer(list(corpus(teach + distil)), os.path.join(d, "tok"), vocab_size=512)
     t0 = time.time()
     train_teacher(tok, teach, os.path.join(d, "teacher"), size=args.teacher_size, steps=args.teacher_steps,
@@ -197,6 +205,9 @@ def main():
     ap.add_argument("--student-size", default="test")
     ap.add_argument("--distil-chats", type=int, default=800)
     ap.add_argument("--heldout", type=int, default=150)
+    ap.add_argument("--blind", action="store_true",
+                    help="the teacher's hinted chats carry another draw's posting (make_data): it cannot solve "
+                         "the second half alone")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import torch
