@@ -27,10 +27,10 @@ def main():
     args = ap.parse_args()
     import torch
 
+    from kdcache.common.chat import render
     from kdcache.demo.models import make_model, save
     from kdcache.demo.task import corpus, make_splits
     from kdcache.demo.tokenizer import train_tokenizer
-    from kdcache.pipeline.chat import render
     from kdcache.pipeline.teacher_hf import HFTeacher
     torch.set_num_threads(args.threads)
     d = tempfile.mkdtemp(prefix="kdcache-bench-generate-")

@@ -246,7 +246,7 @@ def evaluate(model, tok, chats, n_generate=32):
     probability of <|im_end|> where it is due, and the share of sampled answers that end their turn."""
     import torch
 
-    from kdcache.pipeline.chat import chat_spans
+    from kdcache.common.chat import chat_spans
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     nll, ent, top1, n, p_eos = 0.0, 0.0, 0.0, 0, []
     with torch.no_grad():

@@ -77,7 +77,7 @@ def student_init(teacher, out):
 
 def held_out_positions(tok, chats):
     """[(token ids, [assistant span positions])]: what kdcache trains, on the held-out chats."""
-    from kdcache.pipeline.chat import chat_spans
+    from kdcache.common.chat import chat_spans
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     out = []
     for c in chats:

@@ -129,6 +129,14 @@ class Shard:
     def __len__(self):
         return self._starts[-1]
 
+    def sample_ids(self):
+        """int64 [n]: the shard's sample ids, in stored order."""
+        try:
+            parts = [_numpy(self._file.get_record_batch(b).column("sample_id")) for b in range(len(self._starts) - 1)]
+        except (OSError, pa.ArrowInvalid) as e:
+            raise ShardError(f"{self.path}: unreadable ({e})") from e
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
     def lengths(self):
         """int64 [n]: each sample's token count, from the input_ids column's offsets."""
         try:

@@ -74,6 +74,7 @@ def inspect_main(argv=None):
         ("log-probs", BOUNDS.get(m.logprob_dtype, m.logprob_dtype) + "; tail mass, target log-probs float32"),
         ("fidelity", fidelity_text(m)),
         ("teacher on data", teacher_ce_text(m)),
+        ("source", _source_text(m)),
         ("fingerprint", m.fingerprint[:16]),
     ] + [(k, v) for k, v in sorted(meta.items()) if isinstance(v, (str, int, float))]
     width = max(len(k) for k, _ in rows)
@@ -87,6 +88,17 @@ def inspect_main(argv=None):
         print(f"{s.path:<24} {s.num_samples:>8} {rng:>15} {s.num_tokens:>10} "
               f"{s.num_positions:>10} {s.bytes / 1e6:>8.2f}")
     return 0
+
+
+def _source_text(m):
+    """The inspect line of a cache's source (SPEC.md 4.6)."""
+    if m.source is None:
+        return "none (no conversations or teacher tokenizer, SPEC.md 4.6; `kdcache source` adds them)"
+    chats = m.source["chats"]
+    size = sum(c["bytes"] for c in chats)
+    per = f", {size / m.counts['positions']:.1f} B/position" if m.counts["positions"] else ""
+    return (f"{sum(c['num_samples'] for c in chats):,} conversations in {len(chats)} files, {size / 1e6:.2f} MB{per}; "
+            f"teacher tokenizer: {', '.join(sorted(m.source['tokenizer']['files']))}")
 
 
 def _print_sample(path, i):

@@ -80,7 +80,8 @@ class ShardEntry:
 
 
 # Keys that are typed attributes of Manifest; any other key a manifest holds is kept as it is.
-_OPTIONAL = ("top_p", "sample", "fingerprint_parts", "created", "updated", "meta", "plan", "writer_generation")
+_OPTIONAL = ("top_p", "sample", "fingerprint_parts", "created", "updated", "meta", "plan", "writer_generation",
+             "source")
 
 
 class Manifest:
@@ -108,6 +109,7 @@ class Manifest:
         self.meta = dict(data.get("meta") or {})
         self.plan = data.get("plan")                 # {"shard_size": S, "records": N} or None
         self.writer_generation = data.get("writer_generation")
+        self.source = data.get("source")             # SPEC.md 4.6: the conversations and teacher tokenizer, or None
         self._present = {k for k in _OPTIONAL if k in data}
         self._extra = {k: v for k, v in data.items() if k not in REQUIRED and k not in _OPTIONAL}
 
@@ -303,6 +305,9 @@ def validate_manifest(m, where):
     ]:
         if not ok:
             bad(f"{key} must be {need}, found {m.get(key)!r}")
+    if m.get("source") is not None:
+        from .source import validate_source
+        validate_source(m["source"], m["num_shards_planned"], bad)
     seen = set()
     for s in m["shards"]:
         _check_shard_entry(s, m["num_shards_planned"], bad)

@@ -61,6 +61,8 @@ def verify_cache(directory, *, structure=True) -> Report:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
     _orphans(loc, listed, rep)
+    if m.source is not None:
+        _verify_source(loc, m, rep)
     if not m.complete:
         rep.warnings.append(("manifest.json", f"incomplete: {len(m.shards)} of "
                              f"{m.num_shards_planned} planned shards committed"))
@@ -161,6 +163,39 @@ def _coverage(m, rep):
     if plan and m.complete and m.shards and m.shards[-1].sample_end != plan["records"]:
         rep.problems.append(("manifest.json", f"complete, but the shards end at record "
                              f"{m.shards[-1].sample_end} of {plan['records']}"))
+
+
+def _verify_source(loc, m, rep):
+    """The source (SPEC.md 4.6): every tokenizer file and conversation file by checksum, one per committed shard
+    holding that shard's sample ids in its order, each chat well-formed."""
+    from .reader import open_cache
+    from .source import TOKENIZER_DIR, CacheSource
+    try:
+        src = CacheSource(loc, m)
+    except CacheError as e:
+        rep.problems.append(("manifest.json", str(e)))
+        return
+    for name in src.files:
+        try:
+            src._read(f"{TOKENIZER_DIR}/{name}", src.files[name], "a tokenizer file")
+        except CacheError as e:
+            rep.problems.append((f"{TOKENIZER_DIR}/{name}", str(e)))
+    cache = open_cache(loc.url, check_values=False) if not loc.remote else None
+    try:
+        for j, info in enumerate(m.shards):
+            rel = src.entries[info.index]["path"]
+            try:
+                ids, _ = src.chats(info.index)
+                want = cache.shard(j).sample_ids() if cache is not None else None
+            except CacheError as e:
+                rep.problems.append((rel, str(e)))
+                continue
+            if len(ids) != info.num_samples or (want is not None and not np.array_equal(ids, want)):
+                rep.problems.append((rel, f"its sample ids are not those of shard {info.index} ({info.path}), in "
+                                     "its order"))
+    finally:
+        if cache is not None:
+            cache.close()
 
 
 def _orphans(loc, listed, rep):

@@ -254,6 +254,13 @@ class CacheWriter:
         """Record `key` in the manifest's meta; written with the next commit."""
         self.manifest.set_meta(key, value)
 
+    def set_source(self, entry: dict):
+        """Record the cache's source (SPEC.md 4.6; its files written already) and rewrite the manifest."""
+        from .manifest import validate_manifest
+        self.manifest.source = entry
+        validate_manifest(self.manifest.to_json(), self.location)
+        self._save()
+
     def _save(self, exclusive=False):
         if isinstance(self._lock, Lease):
             self._fence()
@@ -304,3 +311,20 @@ def write_cache(directory, records, *, shard_size, **kwargs):
             lo, hi = shard_range(j, shard_size, len(records))
             w.write_shard(j, records[lo:hi], sample_start=lo, sample_end=hi)
         return w.manifest
+
+
+def reopen(directory) -> CacheWriter:
+    """A CacheWriter for the cache at `directory` with the settings its manifest records (not yet opened): for
+    changes that score nothing, such as adding its source (SPEC.md 4.6)."""
+    m = load_manifest(directory)
+    parts = dict(m.fingerprint_parts)
+    fmt = parts.pop("format", None)
+    if not isinstance(fmt, dict):
+        raise ManifestError(f"{as_location(directory).url}: the manifest records no storage settings "
+                            "(fingerprint_parts.format); a cache this old cannot be changed in place")
+    storage = Storage(format=fmt["backend"], top_k=fmt["top_k"], logprob_dtype=fmt["logprob_dtype"],
+                      codec=fmt.get("codec"), top_p=fmt.get("top_p"), sample=fmt.get("sample", 0))
+    plan = m.plan or {}
+    return CacheWriter(directory, storage=storage, vocab_size=m.vocab_size, eos_token_ids=m.eos_token_ids,
+                       fingerprint_parts=parts, num_shards_planned=None if plan else m.num_shards_planned,
+                       shard_size=plan.get("shard_size"), num_records=plan.get("records"), meta=m.meta)

@@ -149,6 +149,10 @@ class Shard:
     def __len__(self):
         return len(self._sid)
 
+    def sample_ids(self):
+        """int64 [n]: the shard's sample ids, in stored order."""
+        return np.asarray(self._sid, np.int64)
+
     def lengths(self):
         """int64 [n]: each sample's token count, from the token offsets (read at open)."""
         return np.diff(np.asarray(self._toff)).astype(np.int64)

@@ -17,6 +17,8 @@ COMMANDS = {
     "inspect": ("kdcache.cache_format.cli", "inspect_main", "summarize a logit cache"),
     "verify": ("kdcache.pipeline.rescore", "verify_main", "check every checksum and invariant of a cache (and with "
                "--rescore, the engine gap)"),
+    "source": ("kdcache.pipeline.source", "main", "add a cache's source (conversations and teacher tokenizer, for "
+               "--cross-tokenizer) without rescoring"),
     "ls": ("kdcache.cache_format.cli", "ls_main", "list the caches in a store (a directory or a URL)"),
     "gc": ("kdcache.cache_format.cli", "gc_main", "remove incomplete or unused caches from a store (not in use)"),
 }

@@ -13,9 +13,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kdcache.cache_format.record import span_positions
+from kdcache.common.chat import chat_spans, end_of_turn_ids, render  # noqa: F401  (end_of_turn_ids: moved there)
 from kdcache.common.errors import BadRow, ConfigError, SkipSample
 
-from .chat import chat_spans, render
 from .data import IGNORE, Example
 
 
@@ -49,27 +49,6 @@ def with_completion(sample: Sample, new_ids, ended: bool) -> Sample:
         t_ids = np.concatenate([sample.teacher_ids, new_ids])
         s.teacher_ids, s.teacher_positions = t_ids, span_positions([(len(sample.teacher_ids), len(t_ids))])
     return s
-
-
-def end_of_turn_ids(tok, extra=()):
-    """Token ids that end an assistant turn: the tokenizer's EOS, the template's end-of-turn, extras."""
-    ids = {int(t) for t in extra}
-    if tok.eos_token_id is not None:
-        ids.add(int(tok.eos_token_id))
-    if getattr(tok, "chat_template", None):
-        marker = "kdcacheANSWERkdcache"
-        text = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
-                                       tokenize=False)
-        after = text[text.index(marker) + len(marker):]
-        enc = tok(after, add_special_tokens=False)["input_ids"]
-        special = set(tok.all_special_ids)
-        first = next((t for t in enc if t in special), None)
-        if first is not None:
-            ids.add(int(first))
-    if not ids:
-        raise ConfigError("the tokenizer defines no EOS token and its chat template no end-of-turn token; "
-                          "name one with eos_tokens in the config")
-    return sorted(ids)
 
 
 MAX_MESSAGES = 1024      # messages per chat record, by default (a hostile record's template work is bounded)

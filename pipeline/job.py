@@ -23,7 +23,7 @@ from kdcache.cache_format.writer import cache_fingerprint, existing_manifest
 from kdcache.common.atomic import atomic_write_bytes
 from kdcache.common.errors import BadRow, DataError, Interrupted, SkipSample
 
-from . import canary
+from . import canary, source
 from . import summary as report
 from .data import cache_records, is_cache, iter_rows, jsonl_lines, open_source_cache, parse_row
 from .dispatch import Dispatcher, RunStats, prestart_workers
@@ -200,6 +200,17 @@ def served_canary(job: Job, meta: dict):
     return {"canary": c, "reference": reference, "tolerance": cfg.canary_tolerance}, new
 
 
+def attach_source(job: Job, writer, kinds):
+    """A complete cache of text records gets its source (SPEC.md 4.6) once, so that it is self-contained: a
+    student of another tokenizer can train from it alone (--cross-tokenizer). Caches of id records (a cache as
+    --data among them) hold no text and get none."""
+    if not writer.manifest.complete or writer.manifest.source is not None or "ids" in kinds or not kinds:
+        return
+    cfg = job.cfg
+    model_dir = cfg.tokenizer if job.server else cfg.teacher
+    print(f"{cfg.out}: {source.describe(source.attach(writer, cfg.data, job.encoder.tok, model_dir))}")
+
+
 def run_job(job: Job, spool, starter=None, pool=None):
     """starter: Ray starting in the background (RayStarter), else started here once there is work for it. pool:
     as run_precompute's."""
@@ -257,6 +268,7 @@ def run_job(job: Job, spool, starter=None, pool=None):
             report.save_reports(cfg, skipped)
             if not todo:
                 print(f"{cfg.out}: cache already complete ({n_units} shards); nothing to do.")
+                attach_source(job, writer, kinds)
                 return report.summary(cfg, writer, skipped, job.t_start, RunStats(), at_start)
             dispatch.scan_finished()
             bar = report.progress(cfg, n_records - len(skipped), writer.manifest.counts["samples"])
@@ -267,6 +279,7 @@ def run_job(job: Job, spool, starter=None, pool=None):
         finally:
             if dispatch:
                 dispatch.close()
+        attach_source(job, writer, kinds)
         out = report.summary(cfg, writer, skipped, job.t_start, stats, at_start)
         if stats.abandoned:
             discard_uncommitted(writer)

@@ -19,7 +19,7 @@ def test_a_llama3_loop_keeps_its_round_caches_in_a_remote_store_and_stops_on_the
     """Round caches under s3://BUCKET/onpolicy (each verified there), the family's three stop ids recorded in each
     and in final/; round 1's prompts are the template's own rendering of each chat's turns before its last answer,
     and its completions the initial student's greedy ones, token for token."""
-    from kdcache.pipeline.chat import render
+    from kdcache.common.chat import render
     from kdcache.pipeline.teacher_hf import HFTeacher
     from tests.helpers.families import CHATS, FAMILY_ARCH, corpus_texts, family_model, family_tokenizer
     tok = family_tokenizer("llama3", str(tmp_path / "tok"), corpus_texts())

@@ -3,9 +3,9 @@ skipped, every assistant turn is trained through its end-of-turn token, and no u
 import numpy as np
 import pytest
 
+from kdcache.common.chat import render
 from kdcache.common.errors import BadRow
 from kdcache.demo.task import corpus, make_splits
-from kdcache.pipeline.chat import render
 from kdcache.pipeline.data import parse_row
 from kdcache.pipeline.encode import Encoder, document_end_id, end_of_turn_ids
 from tests.helpers.families import CHATS, CODE, FAMILIES, corpus_texts, expected_refusal, family_tokenizer

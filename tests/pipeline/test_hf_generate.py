@@ -10,7 +10,7 @@ from kdcache.pipeline.teacher_hf import HFTeacher
 def prompts(tiny, first=0):
     """Seven demo prompts as the template renders them (generate mode's prompts), of other lengths: in one batch,
     most rows are padded."""
-    from kdcache.pipeline.chat import render
+    from kdcache.common.chat import render
     tok = tiny["tok"]
     out = [np.array(tok(render(tok, r["messages"][:-1], gen_prompt=True), add_special_tokens=False)["input_ids"])
            for r in tiny["train"][first:first + 7]]
@@ -83,7 +83,7 @@ def test_batches_equal_transformers_generate_on_other_families(family, tmp_path)
     """Gemma 2 (eager attention, soft-capped logits, sliding window) and Llama 3 (three stop ids), the templates'
     own prompts of other lengths: greedy batches equal transformers' generate() on each prompt alone, and sampled
     rows equal themselves decoded alone."""
-    from kdcache.pipeline.chat import render
+    from kdcache.common.chat import render
     from tests.helpers.families import (
         CHATS,
         FAMILY_ARCH,

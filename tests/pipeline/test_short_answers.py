@@ -2,7 +2,7 @@
 
 The oracle here does not search text: for assistant turn i it renders the chat up to that turn with the
 generation prompt, and the turn is trained from the first token that overlaps the end of that rendering
-through the first end-of-turn token after it (the definition in pipeline/chat.py). Searching for an answer
+through the first end-of-turn token after it (the definition in kdcache/common/chat.py). Searching for an answer
 such as "a", "e" or "end" from the end of the previous message finds it inside `<|im_start|>assistant` or the
 user's `<|im_end|>` instead (issue 23, item 1).
 """
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kdcache.common.chat import render
 from kdcache.common.errors import BadRow
 from kdcache.demo.task import corpus, make_splits
-from kdcache.pipeline.chat import render
 from kdcache.pipeline.data import parse_row
 from kdcache.pipeline.encode import Encoder
 from tests.helpers.families import FAMILIES, corpus_texts, family_tokenizer

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from kdcache.common.chat import render
 from kdcache.common.errors import BadRow
-from kdcache.pipeline.chat import render
 from kdcache.pipeline.data import parse_row
 from kdcache.pipeline.encode import Encoder
 from kdcache.pipeline.teacher_hf import HFTeacher

@@ -21,9 +21,11 @@ after the generation prompt) is trained: it is what the model emits before answe
 The generation prompt is rendered once per chat (from its first turns), so encoding a chat is linear in its
 messages.
 """
+from dataclasses import dataclass
+
 import numpy as np
 
-from kdcache.common.errors import BadRow, SkipSample
+from kdcache.common.errors import BadRow, ConfigError, SkipSample
 
 TEMPLATE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError)   # plus jinja2's, below
 
@@ -54,6 +56,22 @@ def chat_spans(tok, messages, turn_ends, max_chars=None):
 
     max_chars: the rendering is cut there before tokenizing (the sample is then longer than max_length anyway,
     and the ids kept are the whole rendering's); a turn cut off is trained to the cut, turns after it not at all."""
+    _, ids, turns = chat_turns(tok, messages, turn_ends, max_chars)
+    return ids, [(t.start, t.end) for t in turns]
+
+
+@dataclass
+class Turn:
+    """One assistant turn in a rendered chat: trained targets [start, end) (end-of-turn token last, unless cut
+    off), and where the template wrote the answer's text: `text` at character `at` of the rendering."""
+    start: int
+    end: int
+    at: int
+    text: str
+
+
+def chat_turns(tok, messages, turn_ends, max_chars=None):
+    """(rendering, ids, [Turn]): chat_spans with the rendered text and where each answer lies in it."""
     full = render(tok, messages)
     cut = max_chars is not None and len(full) > max_chars
     if cut:
@@ -70,13 +88,13 @@ def chat_spans(tok, messages, turn_ends, max_chars=None):
             continue
         if cut and (opening and full.find(opening, cursor) < 0 or cursor >= len(full)):
             break                        # this turn and the rest lie beyond the cut
-        a, eot = _turn(full, ids, starts, ends, cursor, opening, m["content"], turn_ends, i, cut)
+        a, eot, at, text = _turn(full, ids, starts, ends, cursor, opening, m["content"], turn_ends, i, cut)
         if eot is None:                  # cut off before its end-of-turn token
-            spans.append((a, len(ids)))
+            spans.append(Turn(a, len(ids), at, text))
             break
-        spans.append((a, eot + 1))
+        spans.append(Turn(a, eot + 1, at, text))
         cursor = int(ends[eot])
-    return ids, spans
+    return full, ids, spans
 
 
 def _answer_texts(content):
@@ -93,15 +111,36 @@ def _turn(full, ids, starts, ends, cursor, opening, content, turn_ends, i, cut=F
     a = int(np.searchsorted(ends, start, side="right"))     # the first token overlapping what follows the opening
     eot = next((j for j in range(a, len(ids)) if ids[j] in turn_ends), None)
     if eot is None and cut:
-        return a, None
+        return a, None, start, full[start:]
     if eot is None:
         raise SkipSample("template", f"assistant turn {i}: no end-of-turn token {sorted(turn_ends)} follows it in "
                          "the rendered chat")
     stop = int(starts[eot])
-    where = max((full.rfind(t, start, stop) for t in _answer_texts(content)), default=-1)
+    where, text = max(((full.rfind(t, start, stop), t) for t in _answer_texts(content)), default=(-1, ""))
     if where < 0:
         raise SkipSample("template", f"assistant turn {i}: its text is not in the chat as the template renders "
                          "it, so its tokens cannot be located")
     if k < 0:          # no generation prompt: the turn opens where the answer's text does
         a = int(np.searchsorted(ends, where, side="right"))
-    return a, eot
+    return a, eot, where, text
+
+
+def end_of_turn_ids(tok, extra=()):
+    """Token ids that end an assistant turn: the tokenizer's EOS, the template's end-of-turn, extras."""
+    ids = {int(t) for t in extra}
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    if getattr(tok, "chat_template", None):
+        marker = "kdcacheANSWERkdcache"
+        text = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+                                       tokenize=False)
+        after = text[text.index(marker) + len(marker):]
+        enc = tok(after, add_special_tokens=False)["input_ids"]
+        special = set(tok.all_special_ids)
+        first = next((t for t in enc if t in special), None)
+        if first is not None:
+            ids.add(int(first))
+    if not ids:
+        raise ConfigError("the tokenizer defines no EOS token and its chat template no end-of-turn token; "
+                          "name one with eos_tokens in the config")
+    return sorted(ids)
