@@ -42,6 +42,8 @@ class Record:
       teacher_positions int32 [P]  with teacher_input_ids: the teacher position whose next-token scores position p
                                    holds; teacher_input_ids[teacher_positions + 1] == input_ids[positions + 1]
                                    (the same trained tokens, in the same order)
+      position_kinds int8 [P]      never stored: a record derived for a student of another tokenizer
+                                   (--cross-tokenizer, train/cross.py) names each position's kind there
     """
     sample_id: int
     input_ids: np.ndarray
@@ -55,6 +57,7 @@ class Record:
     sample_counts: np.ndarray | None = None
     teacher_input_ids: np.ndarray | None = None
     teacher_positions: np.ndarray | None = None
+    position_kinds: np.ndarray | None = None
 
     @property
     def targets(self):

@@ -19,6 +19,10 @@ The public API, for training with a cache in any loop (Hugging Face Trainer, TRL
     kd_loss_chunked(hidden, lm_head, batch, **loss_settings) -> loss
                                    the same on hidden states (R, T, H) or (N, H) and the output head, fused and
                                    chunked so that at most one [chunk, V] block of logits exists at a time
+    CrossTokenizer(cache, student_tokenizer).convert_all(records) -> records
+                                   a student of another tokenizer family: each record re-derived in the
+                                   student's ids by byte alignment (README, --cross-tokenizer); collate and
+                                   the losses train its positions by kind
     Record, Batch, LossConfig      the types above
 
 Stable across minor versions: these names, their arguments and the fields of Record and Batch (new optional
@@ -38,6 +42,7 @@ _API = {
     "kd_loss": "kdcache.train.api",
     "kd_loss_chunked": "kdcache.train.api",
     "LossConfig": "kdcache.train.losses",
+    "CrossTokenizer": "kdcache.train.cross",
 }
 __all__ = sorted(_API)
 

@@ -128,6 +128,42 @@ def vocab_map(teacher_pieces: list[bytes], student_pieces: list[bytes], specials
     return out
 
 
+def first_token_map(teacher_pieces: list[bytes], student_tok, student_pieces: list[bytes], teacher_added=(),
+                    specials: dict | None = None) -> np.ndarray:
+    """int64 [teacher vocab]: for each teacher id, the student token its bytes begin with, -1 where none.
+
+    A teacher token of the same bytes as a student token is that token (vocab_map). Any other ordinary teacher
+    token is the first token of the student's own tokenization of its text: if the teacher's token came next,
+    that is the student's next token, so the teacher's probability of it is mass on that student token (a
+    teacher " docker" is the student's " d" where the student writes " d" "oc" "ker"). A teacher token whose bytes
+    are not whole UTF-8 (a byte-level fragment) takes the longest student token they begin with. Added and
+    special teacher tokens (markup) map only by equal bytes or through `specials` ({teacher id: student id})."""
+    out = vocab_map(teacher_pieces, student_pieces, specials)
+    by_bytes = {}
+    for i, b in enumerate(student_pieces):
+        if b and b not in by_bytes:
+            by_bytes[b] = i
+    added = set(int(t) for t in teacher_added) | set((specials or {}).keys())
+    todo = [t for t, b in enumerate(teacher_pieces) if out[t] < 0 and b and t not in added]
+    texts, fragments = [], []
+    for t in todo:
+        try:
+            texts.append((t, teacher_pieces[t].decode("utf-8")))
+        except UnicodeDecodeError:
+            fragments.append(t)
+    if texts:
+        enc = student_tok([x for _, x in texts], add_special_tokens=False)["input_ids"]
+        for (t, _), ids in zip(texts, enc):
+            if ids and teacher_pieces[t].startswith(student_pieces[ids[0]]) and student_pieces[ids[0]]:
+                out[t] = ids[0]
+            else:
+                fragments.append(t)
+    for t in fragments:
+        b = teacher_pieces[t]
+        out[t] = next((by_bytes[b[:n]] for n in range(len(b) - 1, 0, -1) if b[:n] in by_bytes), -1)
+    return out
+
+
 def map_topk(ids: np.ndarray, logprobs: np.ndarray, t2s: np.ndarray):
     """A teacher's top-k ([P, k] ids, log-probs; -1 ids pad) as student ids: (ids [P, k] with -1 where none, their
     log-probs (-inf there), the log of the tail's mass [P]). Teacher ids that name one student id are merged
@@ -135,17 +171,26 @@ def map_topk(ids: np.ndarray, logprobs: np.ndarray, t2s: np.ndarray):
     probabilities plus the tail sum to 1."""
     ids = np.asarray(ids)
     lp = np.asarray(logprobs, dtype=np.float64)
+    P, k = ids.shape
     s_ids = np.where(ids >= 0, t2s[np.maximum(ids, 0)], -1)
     p = np.where(s_ids >= 0, np.exp(lp), 0.0)
-    out_ids = np.full(ids.shape, -1, dtype=np.int64)
-    out_p = np.zeros(ids.shape)
-    for r in range(ids.shape[0]):
-        uniq, inv = np.unique(s_ids[r], return_inverse=True)
-        sums = np.bincount(inv, weights=p[r], minlength=len(uniq))
-        keep = uniq >= 0
-        n = int(keep.sum())
-        order = np.argsort(-sums[keep], kind="stable")
-        out_ids[r, :n], out_p[r, :n] = uniq[keep][order], sums[keep][order]
+    # Equal student ids of a row become one entry: sort each row by id, sum each run of equal ids.
+    order = np.argsort(s_ids, axis=1, kind="stable")
+    sid = np.take_along_axis(s_ids, order, axis=1)
+    ps = np.take_along_axis(p, order, axis=1)
+    first = np.ones((P, k), bool)
+    first[:, 1:] = sid[:, 1:] != sid[:, :-1]
+    group = np.cumsum(first, axis=1) - 1 + np.arange(P)[:, None] * k            # a run's slot, row-major
+    sums = np.bincount(group.ravel(), weights=ps.ravel(), minlength=P * k).reshape(P, k)
+    gid = np.full(P * k, -1, np.int64)
+    gid[group[first]] = sid[first]
+    gid = gid.reshape(P, k)
+    sums = np.where(gid >= 0, sums, 0.0)
+    # Descending probability, unused slots (-1) last.
+    rank = np.argsort(np.where(gid >= 0, -sums, np.inf), axis=1, kind="stable")
+    out_ids = np.take_along_axis(gid, rank, axis=1)
+    out_p = np.take_along_axis(sums, rank, axis=1)
     tail = np.clip(1.0 - out_p.sum(1), 0.0, 1.0)
     with np.errstate(divide="ignore"):
-        return out_ids, np.where(out_ids >= 0, np.log(out_p), -np.inf).astype(np.float32), np.log(tail)
+        return out_ids, np.where(out_ids >= 0, np.log(np.where(out_ids >= 0, out_p, 1.0)), -np.inf).astype(
+            np.float32), np.log(tail)

@@ -4,7 +4,9 @@ The mean over the batch's trained positions of the per-position loss `kdcache tr
 generalized JSD (beta 0: forward KL(T || S), 1: reverse KL(S || T)) over the teacher's top-k plus a tail
 bucket (tail="tail") or renormalised over the top-k (tail="renorm"), temperature tau (loss times tau^2),
 plus sft_alpha times the cross-entropy of the cached targets. On a sampled cache (--sample), forward KL from
-the draws (train/losses.py sampled_kl_per_position): the batch's topk_weights say so.
+the draws (train/losses.py sampled_kl_per_position): the batch's topk_weights say so. A batch of records that
+kdcache.CrossTokenizer derived for a student of another tokenizer (Batch.position_kinds) trains that loss where the
+teacher's mapped distribution applies and the student's cross-entropy at its other positions (train/cross.py).
 """
 import torch
 
@@ -29,10 +31,12 @@ def kd_loss(logits: torch.Tensor, batch: Batch, *, beta=0.0, temperature=1.0, ta
     """
     cfg = LossConfig(beta=beta, temperature=temperature, tail=tail, sft_alpha=sft_alpha, objective=objective)
     dev = logits.device
-    loss, _ = kd_loss_from_logits(_at_positions(logits, batch), batch.topk_ids.to(dev), batch.topk_logprobs.to(dev),
-                                  batch.tail_mass.to(dev), batch.targets.to(dev), cfg, _on(batch.target_logprobs, dev),
-                                  _on(batch.behavior_logprobs, dev), _on(batch.topk_weights, dev))
-    return _reduce(loss, batch, reduction)
+    rows = _at_positions(logits, batch)
+
+    def loss_of(keep, c):
+        f = _fields(batch, dev, keep)
+        return kd_loss_from_logits(rows if keep is None else rows[keep], *f[:4], c, *f[4:])
+    return _reduce(_by_kind(batch, cfg, loss_of), batch, reduction)
 
 
 def kd_loss_chunked(hidden: torch.Tensor, lm_head: torch.nn.Module, batch: Batch, *, beta=0.0, temperature=1.0,
@@ -51,17 +55,32 @@ def kd_loss_chunked(hidden: torch.Tensor, lm_head: torch.nn.Module, batch: Batch
     cfg = LossConfig(beta=beta, temperature=temperature, tail=tail, sft_alpha=sft_alpha,
                      chunk_size=chunk_size or default_chunk(lm_head.weight.shape[0]), objective=objective)
     dev = hidden.device
-    loss, _ = chunked_kd_loss(_at_positions(hidden, batch), lm_head.weight, batch.topk_ids.to(dev),
-                              batch.topk_logprobs.to(dev), batch.tail_mass.to(dev), batch.targets.to(dev), cfg,
-                              lm_head_bias=getattr(lm_head, "bias", None), logit_transform=logit_transform,
-                              target_logprobs=_on(batch.target_logprobs, dev),
-                              behavior_logprobs=_on(batch.behavior_logprobs, dev),
-                              topk_weights=_on(batch.topk_weights, dev))
-    return _reduce(loss, batch, reduction)
+    rows = _at_positions(hidden, batch)
+
+    def loss_of(keep, c):
+        f = _fields(batch, dev, keep)
+        return chunked_kd_loss(rows if keep is None else rows[keep], lm_head.weight, *f[:4], c,
+                               lm_head_bias=getattr(lm_head, "bias", None), logit_transform=logit_transform,
+                               target_logprobs=f[4], behavior_logprobs=f[5], topk_weights=f[6])
+    return _reduce(_by_kind(batch, cfg, loss_of), batch, reduction)
 
 
-def _on(x, device):
-    return None if x is None else x.to(device)
+def _fields(batch, dev, keep):
+    """The batch's per-position tensors on `dev`, at the positions `keep` selects (None: all)."""
+    out = []
+    for name in ("topk_ids", "topk_logprobs", "tail_mass", "targets", "target_logprobs", "behavior_logprobs",
+                 "topk_weights"):
+        x = getattr(batch, name)
+        out.append(None if x is None else (x if keep is None else x[keep.to(x.device)]).to(dev))
+    return out
+
+
+def _by_kind(batch, cfg, loss_of):
+    """The loss sum: per kind of position for a --cross-tokenizer batch (train/cross.py), else over them all."""
+    if batch.position_kinds is None:
+        return loss_of(None, cfg)[0]
+    from .cross import loss_by_kind
+    return loss_by_kind(batch.position_kinds, cfg, loss_of)[0]
 
 
 def _reduce(loss_sum, batch, reduction):

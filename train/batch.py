@@ -34,6 +34,8 @@ class Batch:
     #                                                mode with --generator), NaN unknown; None when no record has it
     topk_weights: torch.Tensor | None = None       # float32 (N, k) a sampled cache's estimator weights per entry
     #                                                (sampled_weights); None for a top-k cache
+    position_kinds: torch.Tensor | None = None     # int64 (N,) --cross-tokenizer: each position's kind (train/cross.py
+    #                                                KINDS); None otherwise
     objective: str | None = None                   # what this micro-batch trains ("gkd", "token-rkl"), set by the
     #                                                trainer where a run's caches differ; None: the run's objective
 
@@ -162,7 +164,9 @@ def collate(records, *, pad_id, student_vocab, pack_len=0) -> Batch:
         stream_state=getattr(records[-1], "stream_state", None) if records else None,
         target_logprobs=None if target_lp is None else as_t(target_lp),
         behavior_logprobs=None if behavior_lp is None else as_t(behavior_lp),
-        topk_weights=None if weights is None else as_t(weights))
+        topk_weights=None if weights is None else as_t(weights),
+        position_kinds=None if any(getattr(r, "position_kinds", None) is None for r in records) or not records
+        else as_t(np.concatenate([r.position_kinds for r in records]).astype(np.int64)))
 
 
 def _per_position(records, name):

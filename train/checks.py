@@ -30,6 +30,12 @@ def check_inputs(cfg):
                               "adapters on a pretrained student's frozen weights. Train it without --lora-r")
     tok = load_tokenizer(cfg)
     for cache, manifest in zip(caches, manifests):
+        if getattr(cfg, "cross_tokenizer", False):
+            from .cross import same_tokenizer
+            if not same_tokenizer(tok, manifest):
+                continue                           # train/cross.py derives the student's view (cross_converters)
+            print(f"kdcache: --cross-tokenizer, but the student's tokenizer is {cache}'s own: training it on the "
+                  "token-exact path", flush=True)
         check_tokenizer(tok, manifest, cache)                       # rule 2, per cache: token-exact or refused
     check_sampled(cfg, manifests)
     return tok, objectives(cfg, manifests)

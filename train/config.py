@@ -63,6 +63,9 @@ class TrainConfig:
     resume: str = field("auto", "auto (latest complete checkpoint in out/), never, or a checkpoint path")
     skip_damaged_shards: bool = field(False, "skip (and count) shards that fail their checksum or "
                                              "value checks instead of stopping")
+    cross_tokenizer: bool = field(False, "a student of another tokenizer family: derive its view of each sample from "
+                                  "the cache's source (conversations, teacher tokenizer) by byte alignment "
+                                  "(README, train/cross.py); with the teacher's tokenizer it is the token-exact path")
     require_eos: bool = field(True, "refuse a cache whose first batch lacks end-of-turn positions")
     prefetch: int = field(2, "shards decoded ahead in the background")
     log_every: int = field(1, "steps between metric lines")

@@ -7,17 +7,18 @@ from kdcache.common.atomic import publish, remove
 from . import lora
 
 
-def stops_like_the_teacher(model, tok, manifest):
+def stops_like_the_teacher(model, tok, manifest, own_ends=None):
     """Make the saved student stop where the teacher stops (rule 1 at inference, not only in the loss): its
     generation config's EOS ids become the cache's end-of-turn ids, and its tokenizer gets the teacher's chat
     template. A base student's own generation config (EOS <|endoftext|>) would never stop at <|im_end|>, which
-    it has just learned to emit, with stock generate() or vLLM."""
-    eos = sorted(int(t) for t in manifest["eos_token_ids"])
+    it has just learned to emit, with stock generate() or vLLM. own_ends: a --cross-tokenizer student's own
+    end-of-turn ids; it keeps its own chat template, which it was trained in."""
+    eos = sorted(int(t) for t in (own_ends if own_ends is not None else manifest["eos_token_ids"]))
     model.generation_config.eos_token_id = eos
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     template = manifest.get("meta", {}).get("chat_template")
-    if template:
+    if template and own_ends is None:
         tok.chat_template = template
 
 

@@ -101,18 +101,33 @@ class DistillModule(nn.Module):
         if self.own_forward:
             out = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
                              use_cache=False).logits                                           # (R, T, V)
-            return kd_loss_from_logits(out[b.batch_index, b.positions], b.topk_ids, b.topk_logprobs, b.tail_mass,
-                                       b.targets, cfg, b.target_logprobs, b.behavior_logprobs,
-                                       b.topk_weights)
-        hidden = decoder_of(self.model)(input_ids=b.input_ids, attention_mask=b.attention_mask,
-                                        position_ids=b.position_ids, use_cache=False).last_hidden_state  # (R, T, H)
-        h = hidden[b.batch_index, b.positions]                                                 # (N, H)
+            rows = out[b.batch_index, b.positions]
+        else:
+            hidden = decoder_of(self.model)(input_ids=b.input_ids, attention_mask=b.attention_mask,
+                                            position_ids=b.position_ids, use_cache=False).last_hidden_state
+            rows = hidden[b.batch_index, b.positions]                                          # (N, H)
+        if b.position_kinds is None:
+            return self._loss(rows, b, cfg)
+        return self._loss_by_kind(rows, b, cfg)
+
+    def _loss(self, rows, b: Batch, cfg, keep=None):
+        """The loss over `rows` (hidden states, or logits on the model's own forward) of the batch's positions,
+        or of those `keep` selects."""
+        def sel(t):
+            return t if keep is None or t is None else t[keep]
+        args = (sel(b.topk_ids), sel(b.topk_logprobs), sel(b.tail_mass), sel(b.targets))
+        extra = dict(target_logprobs=sel(b.target_logprobs), behavior_logprobs=sel(b.behavior_logprobs),
+                     topk_weights=sel(b.topk_weights))
+        if self.own_forward:
+            return kd_loss_from_logits(rows, *args, cfg, *extra.values())
         head = self.model.get_output_embeddings()
         if self.chunked:
-            return chunked_kd_loss(h, head.weight, b.topk_ids, b.topk_logprobs, b.tail_mass, b.targets,
-                                   cfg, lm_head_bias=head.bias, logit_transform=self.transform,
-                                   target_logprobs=b.target_logprobs, behavior_logprobs=b.behavior_logprobs,
-                                   topk_weights=b.topk_weights)
-        logits = head(h) if self.transform is None else self.transform(head(h))
-        return kd_loss_from_logits(logits, b.topk_ids, b.topk_logprobs, b.tail_mass, b.targets, cfg,
-                                   b.target_logprobs, b.behavior_logprobs, b.topk_weights)
+            return chunked_kd_loss(rows, head.weight, *args, cfg, lm_head_bias=head.bias,
+                                   logit_transform=self.transform, **extra)
+        logits = head(rows) if self.transform is None else self.transform(head(rows))
+        return kd_loss_from_logits(logits, *args, cfg, *extra.values())
+
+    def _loss_by_kind(self, rows, b: Batch, cfg):
+        """--cross-tokenizer (train/cross.py loss_by_kind): per kind of position, its own loss."""
+        from .cross import loss_by_kind
+        return loss_by_kind(b.position_kinds, cfg, lambda keep, c: self._loss(rows[keep], b, c, keep))

@@ -23,6 +23,7 @@ from kdcache.common.signals import StopFlag
 from . import checkpoint, counts, lora
 from .batch import collate
 from .checks import check_inputs, check_records, check_token_rkl_records
+from .cross import KINDS, coverage_line, cross_converters
 from .data import CacheStream
 from .distributed import all_reduce, deepspeed_config, init_distributed
 from .final import save_final, stops_like_the_teacher
@@ -56,6 +57,7 @@ class Run:
     out_lock: object = None    # rank 0's lock on --out (lock_out), held until the process ends
     stop: StopFlag = None      # installed by setup(): a signal during start-up stops the run before a step
     params: dict = None        # {"trainable": N, "total": M} parameter counts (LoRA trains only its adapters)
+    cross: list = None         # per cache: its train/cross.CrossTokenizer (--cross-tokenizer), or None
 
 
 # ---------------------------------------------------------------------------- the recipe
@@ -121,6 +123,7 @@ def next_cache(run, cfg):
     stream.carry_over(state)
     checkpoint.restore_rng(done[-1][1], run.rank)
     run.cfg, run.stream, run.fresh_reader = cfg, stream, True
+    run.cross = cross_converters(cfg, run.tok, _streams(stream))
     run.end_step = min(cfg.until_step or run.total_steps, run.total_steps)
     if run.rank == 0:
         dump(cfg, os.path.join(cfg.out, "train_config.yaml"))
@@ -177,7 +180,8 @@ def _setup(cfg):
     run = Run(cfg, rank, world, stream, tok, engine, scheduler, stage,
               pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
               student_vocab=student_vocab, total_steps=total_steps, objectives=objs, out_lock=out_lock,
-              end_step=min(cfg.until_step or total_steps, total_steps), params=params)
+              end_step=min(cfg.until_step or total_steps, total_steps), params=params,
+              cross=cross_converters(cfg, tok, _streams(stream)))
     ckpt = checkpoint.resolve_resume(cfg.out, cfg.resume)     # engine, optimizer, scheduler, RNG, reader position
     if ckpt:
         run.fresh_reader = checkpoint.check_order(ckpt, stream.order(), new_cache=cfg.new_cache)
@@ -195,6 +199,10 @@ def _setup(cfg):
         dump(cfg, os.path.join(cfg.out, "train_config.yaml"))
     run.t_last = time.perf_counter()
     return run
+
+
+def _streams(stream):
+    return stream.streams if isinstance(stream, MultiStream) else [stream]
 
 
 def open_streams(cfg, rank, world):
@@ -218,16 +226,22 @@ def next_window(run, batches, unchecked):
     cfg, window, position = run.cfg, [], None
     caches = cfg.caches
     run.by_cache = [[0, 0, 0.0] for _ in caches]
-    for _ in range(cfg.grad_accum):
+    while len(window) < cfg.grad_accum:
         nxt = next(batches, None)
         if nxt is None:
             break
         records, position = nxt
         k = getattr(position, "source", 0)          # the cache this micro-batch came from
+        cross = run.cross[k] if run.cross else None
+        if cross is not None:                       # the student's view of each sample (train/cross.py)
+            records = cross.convert_all(records)
+            if not records:                         # every sample of it skipped (counted): the next one
+                continue
         if k in unchecked:
             unchecked.discard(k)
-            stream = run.stream.streams[k] if isinstance(run.stream, MultiStream) else run.stream
-            check_records(records, set(stream.cache.eos_token_ids), cfg.require_eos, caches[k])
+            stream = _streams(run.stream)[k]
+            ends = cross.s_ends if cross is not None else set(stream.cache.eos_token_ids)
+            check_records(records, ends, cfg.require_eos, caches[k])
         objective = run.objectives[k]
         if objective == "token-rkl":
             check_token_rkl_records(records, caches[k])
@@ -248,6 +262,7 @@ def optimizer_step(run, window, position):
     scale = run.cfg.grad_accum * run.world / n_total
     sums, grad_norm = [0.0, 0.0, 0.0], None
     per_objective = {o: [0.0, 0.0] for o in OBJECTIVES}     # positions, KD sum of the micro-batches of each
+    by_kind = {kind: [0, 0.0] for kind in KINDS}             # --cross-tokenizer: positions, loss sum of each kind
     for i, b in enumerate(window):
         loss_sum, parts = engine(b.to(engine.device))
         engine.backward(loss_sum * scale)
@@ -259,7 +274,15 @@ def optimizer_step(run, window, position):
         per_objective[b.objective or run.cfg.objective][1] += parts["kd"]
         run.by_cache[b.source] = [run.by_cache[b.source][0] + 1, run.by_cache[b.source][1] + b.n_positions,
                                   run.by_cache[b.source][2] + parts["kd"]]
+        for kind, (n, total) in parts.get("by_kind", {}).items():
+            by_kind[kind] = [by_kind[kind][0] + n, by_kind[kind][1] + total]
     loss, kd, sft = (v / n_total for v in all_reduce(sums))
+    kinds = {}
+    if any(run.cross or ()):
+        flat = all_reduce([v for kind in KINDS for v in by_kind[kind]])
+        for i, kind in enumerate(KINDS):
+            kinds[f"positions_{kind}"] = int(flat[2 * i])
+            kinds[f"loss_{kind}"] = flat[2 * i + 1] / flat[2 * i] if flat[2 * i] else None
     by_objective = counts.by_objective(run.objectives, per_objective)
     run.step += 1
     run.stream.position = position
@@ -277,7 +300,7 @@ def optimizer_step(run, window, position):
             "epoch": run.stream.position.epoch, "outside_vocab": int(outside),
             # what the forward passes held, every rank's: rows and tokens with padding (--pack lowers both)
             "rows": int(rows), "batch_tokens": int(computed),
-            **counts.by_cache(run.cfg, run.by_cache), **by_objective}
+            **counts.by_cache(run.cfg, run.by_cache), **by_objective, **kinds}
 
 
 def finish(run, reason, resume_cmd):
@@ -296,7 +319,10 @@ def finish(run, reason, resume_cmd):
     outside = sum(int(r.get("outside_vocab") or 0) for r in rows)
     by_cache = counts.cache_totals(cfg, rows)
     final = os.path.join(cfg.out, "final")
-    stops_like_the_teacher(run.engine.module.model, run.tok, stream.cache.manifest)
+    cross = next((c for c in run.cross or () if c is not None), None)
+    stops_like_the_teacher(run.engine.module.model, run.tok, stream.cache.manifest,
+                           own_ends=cross.s_ends if cross is not None else None)
+    coverage = {cache: c.reduced() for cache, c in zip(cfg.caches, run.cross or ()) if c is not None}
     save_final(run.engine.module.model, run.tok, final, rank, run.stage)
     if rank == 0:
         # drawn when the schedule ends (a stage that stops at --until-step leaves it to the last stage: 0.4 s of a
@@ -309,6 +335,7 @@ def finish(run, reason, resume_cmd):
                                        "loss_path": run.engine.module.path,
                                        "parameters": run.params, "lora": lora.settings(cfg),
                                        **({"caches": by_cache} if by_cache else {}),
+                                       **({"cross_tokenizer": coverage} if coverage else {}),
                                        "loss_chunk": run.engine.module.loss_cfg.chunk_size,
                                        "loss_chunk_from": "--loss-chunk" if cfg.loss_chunk else
                                        "the default for the student's vocabulary"}).encode())
@@ -317,6 +344,8 @@ def finish(run, reason, resume_cmd):
         for cache, n in (by_cache or {}).items():
             print(f"{cache}: {n['positions']:,} positions in {n['batches']} micro-batches"
                   + (f", KD {n['kd']:.4f}" if n["kd"] is not None else ""), flush=True)
+        for cache, cov in coverage.items():
+            print(coverage_line(cache, cov), flush=True)
         if outside:
             print(f"{outside} teacher top-k entries named ids the student has no embedding row for (a teacher "
                   "vocabulary padded past the student's); their mass was trained as the tail bucket", flush=True)

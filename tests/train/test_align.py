@@ -119,6 +119,31 @@ def test_mapped_top_k_sums_to_one_with_the_tail_and_merges_equal_bytes(families)
     np.testing.assert_allclose(np.exp(tail[0]), 0.3, rtol=1e-6)
 
 
+@pytest.mark.parametrize("teacher,student", [("llama3", "chatml"), ("gemma", "qwen3")])
+def test_each_teacher_token_maps_to_the_student_token_its_bytes_begin_with(families, teacher, student):
+    t_tok, s_tok = families[(teacher, 700)], families[(student, 400)]
+    t_pieces, s_pieces = al.token_bytes(t_tok), al.token_bytes(s_tok)
+    added = set(t_tok.added_tokens_decoder)
+    t2s = al.first_token_map(t_pieces, s_tok, s_pieces, added)
+    equal = al.vocab_map(t_pieces, s_pieces)
+    by_prefix = 0
+    for t, b in enumerate(t_pieces):
+        if equal[t] >= 0:
+            assert t2s[t] == equal[t]                                  # the same bytes: the same token
+        elif t in added or not b:
+            assert t2s[t] == -1                                        # other markup has no student equivalent
+        else:
+            s = int(t2s[t])
+            assert s >= 0 and s_pieces[s] and b.startswith(s_pieces[s]) and s_pieces[s] != b
+            try:
+                first = s_tok(b.decode("utf-8"), add_special_tokens=False)["input_ids"][0]
+                assert s == first                                      # the student's own first token of it
+            except UnicodeDecodeError:                                 # a byte fragment: the longest prefix
+                assert not any(b.startswith(p) and len(p) > len(s_pieces[s]) for p in s_pieces if p != b)
+            by_prefix += 1
+    assert by_prefix > 50                                              # other merges: many tokens differ
+
+
 def test_a_sentencepiece_vocabulary_gives_its_bytes_back(tmp_path):
     """Gemma-style: "\u2581" for a space, <0xNN> byte fallback for what the vocabulary lacks (the emoji here)."""
     vocab = {"<unk>": 0, "<eos>": 1}
