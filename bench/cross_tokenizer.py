@@ -5,12 +5,13 @@ student whose tokenizer has other merges, other ids and another vocabulary size.
 
 Task: the demo's (a job posting -> its required skills, then the end of turn). The teacher (the demo's tokenizer:
 byte-level BPE, 512 ids, ChatML, <|im_end|>; hidden 96) is trained on 2,000 chats. One cache of 800 other chats
-(top-k 32, hf), with its source (SPEC.md 4.6). For each seed three fresh students of the same size (hidden 64),
-the same steps, batch and learning rate:
+(top-k 32, hf), with its source (SPEC.md 4.6). For each seed fresh students of the same size (hidden 64),
+the same steps, batch and learning rate (four arms):
   cross KD    the Llama 3-family tokenizer (tests/helpers/families.py: 384 ids trained on the corpus reversed,
               <|begin_of_text|>, header markup, <|eot_id|>), `kdcache train --cross-tokenizer`, forward KL, no SFT term
   cross SFT   the same student and derived records, `--objective sft` (the cross-entropy on its own rendering)
-  same KD     the teacher's tokenizer, token-exact KD from the same cache (the upper reference)
+  same KD     the teacher's tokenizer, token-exact KD from the same cache
+  same SFT    the teacher's tokenizer, `--objective sft` (what the student's tokenizer alone changes)
 Held-out (150 chats, none in the teacher's or the cache's data), each model in its own template, greedy, 32 tokens:
   stop        answers that end with the model's own end-of-turn token
   f1          label F1 of the answers (the demo's metric)
@@ -158,7 +159,8 @@ def main():
     rows = {"teacher": [score(info["teacher"], held)]}
     arms = {"cross-tokenizer KD": (info["student_cross"], ("--cross-tokenizer",)),
             "cross-tokenizer SFT": (info["student_cross"], ("--cross-tokenizer", "--objective", "sft")),
-            "same-tokenizer KD": (info["student_same"], ())}
+            "same-tokenizer KD": (info["student_same"], ()),
+            "same-tokenizer SFT": (info["student_same"], ("--objective", "sft"))}
     coverage, speed = {}, {}
     for seed in range(args.seeds):
         for name, (student, extra) in arms.items():

@@ -161,8 +161,9 @@ class CrossTokenizer:
             return self._skip(rec, "teacher_rendering", "the teacher's template renders it to other ids than the "
                               "cache holds")
         t_bytes, s_bytes = starts(self.t_pieces, t_ids), starts(self.s_pieces, s_ids)
-        for side, text, b in (("teacher", t_text, t_bytes), ("student", s_text, s_bytes)):
-            if b[-1] != len(text.encode("utf-8")):
+        for side, text, pieces, ids in (("teacher", t_text, self.t_pieces, t_ids),
+                                        ("student", s_text, self.s_pieces, s_ids)):
+            if b"".join(pieces[i] for i in ids) != text.encode("utf-8"):
                 return self._skip(rec, "not_byte_exact", f"the {side}'s tokenizer does not give the rendered chat "
                                   "back byte for byte (a normalizer rewrites text)")
         if len(t_turns) != len(s_turns):

@@ -232,3 +232,27 @@ def test_a_cache_without_its_source_or_a_student_without_a_template_is_refused(t
     res = kdcache("train", "--cache", p["cache"], *args[2:], "--student", bare, "--out", tmp_path / "b",
                   timeout=300)
     assert res.returncode != 0 and "no chat template" in res.stderr, res.stderr[-2000:]
+
+
+def test_kill9_mid_run_then_resume_gives_the_uninterrupted_losses(trained, tmp_path):
+    """Rule 3 under --cross-tokenizer: the derivation is a function of the cache alone, so a run killed mid-step
+    and resumed redoes the steps since its last checkpoint with the uninterrupted run's losses, per kind too."""
+    import sys
+
+    from tests.train.common import kill9_mid_run, losses, run
+
+    def cmd(out):
+        return [sys.executable, "-m", "kdcache", "train", "--cache", trained["cache"], "--student",
+                trained["student"], "--out", str(out), "--max-steps", 10, "--batch-size", 2, "--save-every", 3,
+                "--no-progress", "--cross-tokenizer", "--beta", 0.5]
+    cmd_s = [list(map(str, c)) for c in (cmd(tmp_path / "ref"), cmd(tmp_path / "o"))]
+    ref = run(cmd_s[0])
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    output = kill9_mid_run(cmd_s[1], tmp_path / "o", 5)
+    assert 5 <= len(losses(tmp_path / "o")) < 10, output[-2000:]        # the kill landed mid-run
+    res = run(cmd_s[1])
+    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-3000:]
+    got, want = losses(tmp_path / "o"), losses(tmp_path / "ref")
+    assert [r["step"] for r in got] == list(range(1, 11))
+    keys = ["loss"] + [f"loss_{k}" for k in xt.KINDS]
+    assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]
