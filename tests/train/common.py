@@ -126,6 +126,8 @@ def first_shards(setup, where, n):
     shutil.copytree(setup["cache"], where)
     m = json.load(open(where / "manifest.json"))
     m["shards"], m["num_shards_planned"], m["complete"] = m["shards"][:n], n, True
+    if m.get("source"):                              # its conversations too (SPEC.md 4.6)
+        m["source"]["chats"] = [c for c in m["source"]["chats"] if c["index"] < n]
     m["plan"] = dict(m["plan"], records=8 * n)
     m["counts"] = {k: sum(s["num_" + k] if k != "bytes" else s["bytes"] for s in m["shards"])
                    for k in ("samples", "tokens", "positions", "bytes")}
