@@ -27,12 +27,13 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from runs import kdcache, write_jsonl  # noqa: E402
 
 from kdcache.demo.task import SKILLS, f1, labels, make_example  # noqa: E402
 
@@ -80,20 +81,8 @@ def make_data(n_teacher, n_distil, n_held, seed=0, blind=False):
     return teacher, distil, held
 
 
-def write_jsonl(rows, path):
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    return path
 
 
-def kdcache(*args, log):
-    cmd = [sys.executable, "-m", "kdcache", *map(str, args)]
-    t0 = time.time()
-    with open(log, "a") as out:
-        res = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    if res.returncode:
-        raise SystemExit(f"failed ({res.returncode}): {' '.join(cmd)}; see {log}")
-    return time.time() - t0
 
 
 def setup(out, args):
