@@ -26,8 +26,8 @@ def test_importing_kdcache_does_not_import_torch_until_a_torch_name_is_used():
     res = subprocess.run([sys.executable, "-c", code], cwd=user_project(), capture_output=True, text=True, timeout=120,
                          env=user_env())
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.strip() == str(["Batch", "CacheDataset", "LossConfig", "Record", "collate", "kd_loss",
-                                      "kd_loss_chunked", "open_cache"])
+    assert res.stdout.strip() == str(["Batch", "CacheDataset", "CrossTokenizer", "LossConfig", "Record", "collate",
+                                      "kd_loss", "kd_loss_chunked", "open_cache"])
 
 
 def test_help_shows_the_api():

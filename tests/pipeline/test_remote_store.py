@@ -56,4 +56,6 @@ def test_remote_store_precompute_killed_resumed_then_reused(tiny, tmp_path, buck
         assert np.array_equal(a.topk_ids, b.topk_ids) and np.array_equal(a.topk_logprobs, b.topk_logprobs)
     summary = json.loads(Location(url).read_bytes("report/summary.json"))
     assert summary["resumed"] and summary["samples_written"] == 30
-    assert set(os.listdir(tmp_path / "local")) == {"manifest.json", "shards", "report", ".writer.lock"}
+    # the source (SPEC.md 4.6: conversations, teacher tokenizer) is written on either store
+    assert set(os.listdir(tmp_path / "local")) == {"manifest.json", "shards", "report", "source", ".writer.lock"}
+    assert remote.manifest["source"]["tokenizer"] == local.manifest["source"]["tokenizer"]
