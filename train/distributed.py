@@ -69,3 +69,15 @@ def all_reduce(values, op="sum"):
     t = torch.tensor(values, dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
     return t.cpu().tolist()
+
+
+def total_norm(module):
+    """The L2 norm of the module's gradients (ZeRO-0, where DeepSpeed does not report it), or None."""
+    grads = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
+    return float(torch.stack(grads).norm()) if grads else None
+
+
+def reported_grad_norm(engine):
+    """The global gradient norm DeepSpeed reports (ZeRO-1 to 3), or None."""
+    g = engine.get_global_grad_norm()
+    return float(g) if g is not None else None

@@ -165,3 +165,23 @@ def _positions(stream: CacheStream) -> int:
         s = stream.cache.shards[j]
         total += s.num_positions * len(rows) // max(1, s.num_samples)
     return max(1, total)
+
+
+def streams_of(stream) -> list:
+    """The CacheStreams of a run's stream: itself, or a MultiStream's."""
+    return stream.streams if isinstance(stream, MultiStream) else [stream]
+
+
+def open_streams(cfg, rank, world):
+    """One cache's stream, or a MultiStream over several: --cache repeated, or --mix-cache."""
+    streams = [open_stream(cfg, c, rank, world) for c in cfg.caches]
+    if len(streams) == 1:
+        return streams[0]
+    return MultiStream(streams, cfg.weights(), cfg.seed)
+
+
+def open_stream(cfg, cache, rank, world):
+    return CacheStream(cache, rank=rank, world=world, seed=cfg.seed, shuffle=cfg.shuffle, batch_size=cfg.batch_size,
+                       max_tokens=0 if cfg.pack else cfg.max_tokens, prefetch=cfg.prefetch,
+                       epochs=None if cfg.max_steps else cfg.epochs, skip_damaged=cfg.skip_damaged_shards,
+                       track_use=True)   # a lease on the cache: `kdcache gc` keeps it while this run reads

@@ -25,11 +25,11 @@ from .batch import collate
 from .checks import check_inputs, check_records, check_token_rkl_records
 from .cross import KINDS, coverage_line, cross_converters
 from .data import CacheStream
-from .distributed import all_reduce, deepspeed_config, init_distributed
+from .distributed import all_reduce, deepspeed_config, init_distributed, reported_grad_norm, total_norm
 from .final import save_final, stops_like_the_teacher
 from .loss_config import OBJECTIVES
 from .metrics import METRICS, Metrics, plot_loss_curve, read_metrics
-from .mix import MultiStream
+from .mix import open_streams, streams_of
 from .model import DistillModule, load_student
 from .out_lock import lock_out
 
@@ -123,7 +123,7 @@ def next_cache(run, cfg):
     stream.carry_over(state)
     checkpoint.restore_rng(done[-1][1], run.rank)
     run.cfg, run.stream, run.fresh_reader = cfg, stream, True
-    run.cross = cross_converters(cfg, run.tok, _streams(stream))
+    run.cross = cross_converters(cfg, run.tok, streams_of(stream))
     run.end_step = min(cfg.until_step or run.total_steps, run.total_steps)
     if run.rank == 0:
         dump(cfg, os.path.join(cfg.out, "train_config.yaml"))
@@ -181,7 +181,7 @@ def _setup(cfg):
               pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
               student_vocab=student_vocab, total_steps=total_steps, objectives=objs, out_lock=out_lock,
               end_step=min(cfg.until_step or total_steps, total_steps), params=params,
-              cross=cross_converters(cfg, tok, _streams(stream)))
+              cross=cross_converters(cfg, tok, streams_of(stream)))
     ckpt = checkpoint.resolve_resume(cfg.out, cfg.resume)     # engine, optimizer, scheduler, RNG, reader position
     if ckpt:
         run.fresh_reader = checkpoint.check_order(ckpt, stream.order(), new_cache=cfg.new_cache)
@@ -199,25 +199,6 @@ def _setup(cfg):
         dump(cfg, os.path.join(cfg.out, "train_config.yaml"))
     run.t_last = time.perf_counter()
     return run
-
-
-def _streams(stream):
-    return stream.streams if isinstance(stream, MultiStream) else [stream]
-
-
-def open_streams(cfg, rank, world):
-    """One cache's stream, or a MultiStream over several (train/mix.py): --cache repeated, or --mix-cache."""
-    streams = [open_stream(cfg, c, rank, world) for c in cfg.caches]
-    if len(streams) == 1:
-        return streams[0]
-    return MultiStream(streams, cfg.weights(), cfg.seed)
-
-
-def open_stream(cfg, cache, rank, world):
-    return CacheStream(cache, rank=rank, world=world, seed=cfg.seed, shuffle=cfg.shuffle, batch_size=cfg.batch_size,
-                       max_tokens=0 if cfg.pack else cfg.max_tokens, prefetch=cfg.prefetch,
-                       epochs=None if cfg.max_steps else cfg.epochs, skip_damaged=cfg.skip_damaged_shards,
-                       track_use=True)   # a lease on the cache: `kdcache gc` keeps it while this run reads
 
 
 def next_window(run, batches, unchecked):
@@ -239,7 +220,7 @@ def next_window(run, batches, unchecked):
                 continue
         if k in unchecked:
             unchecked.discard(k)
-            stream = _streams(run.stream)[k]
+            stream = streams_of(run.stream)[k]
             ends = cross.s_ends if cross is not None else set(stream.cache.eos_token_ids)
             check_records(records, ends, cfg.require_eos, caches[k])
         objective = run.objectives[k]
@@ -267,7 +248,7 @@ def optimizer_step(run, window, position):
         loss_sum, parts = engine(b.to(engine.device))
         engine.backward(loss_sum * scale)
         if run.stage == 0 and i == len(window) - 1:      # ZeRO-0 does not report it; grads are reduced by now
-            grad_norm = _total_norm(engine.module)
+            grad_norm = total_norm(engine.module)
         engine.step()
         sums = [sums[0] + float(loss_sum.detach()), sums[1] + parts["kd"], sums[2] + parts["sft"]]
         per_objective[b.objective or run.cfg.objective][0] += b.n_positions
@@ -293,7 +274,7 @@ def optimizer_step(run, window, position):
                                                  float(sum(b.n_outside_vocab for b in window))])
     run.t_last = now
     if run.stage > 0:
-        grad_norm = _grad_norm(engine)
+        grad_norm = reported_grad_norm(engine)
     return {"step": run.step, "loss": loss, "kd": kd, "sft": sft, "positions": int(n_total),
             "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm, "tokens_per_s": round(tok_s, 1),
             # teacher entries naming ids the student has no row for (a padded teacher): moved to the tail bucket
@@ -387,16 +368,6 @@ def _untrained(run):
     left, = all_reduce([max(0, run.stream.samples_per_epoch() * cfg.epochs
                             - run.step * cfg.batch_size * cfg.grad_accum)])
     return int(left)
-
-
-def _total_norm(module):
-    grads = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
-    return float(torch.stack(grads).norm()) if grads else None
-
-
-def _grad_norm(engine):
-    g = engine.get_global_grad_norm()
-    return float(g) if g is not None else None
 
 
 def _resume_hint():
