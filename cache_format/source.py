@@ -49,6 +49,8 @@ def check_chat(chat, where) -> dict:
                 isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
                 for m in chat[key])):
             bad(f"{key} must be a non-empty list of {{role, content}} with a role in {list(ROLES)}")
+    if "truncated" in chat and (chat["kind"] == "text" or not isinstance(chat["truncated"], bool)):
+        bad("truncated must be true or false, on a chat or pair only")
     for key in ("prompt", "completion", "text"):
         if key in chat and not isinstance(chat[key], str):
             bad(f"{key} must be a string")

@@ -3,7 +3,9 @@
 Round r: the current student (the initial one, then the previous round's) writes completions for the next P
 prompts (`kdcache precompute --mode generate --generator STUDENT`, its log-prob of each sampled token kept as
 behavior_logprobs); the teacher scores them into a cache in a store; the student trains N steps on that cache
-(`kdcache train --until-step --new-cache`), one optimizer, schedule and step count across every round.
+(`kdcache train --until-step --new-cache`), one optimizer, schedule and step count across every round. With
+--cross-tokenizer and a student of another tokenizer family, the completions reach the teacher as text
+(kdcache/onpolicy_cross.py).
 
 Each stage is what a kdcache command runs, and resumes as it does after kill -9, SIGTERM and SIGHUP: kept up in
 this process across rounds (--stages kept: Ray, the teacher and the trainer start once), or a command of its own
@@ -38,10 +40,10 @@ from kdcache.pipeline.config import PrecomputeConfig
 from kdcache.stages import make_stages
 from kdcache.train.config import TrainConfig
 
-from .onpolicy_state import check_same_run, load_summary, save_summary
+from .onpolicy_cross import completions_line, cross_rounds, rollout_settings, scoring_settings, write_chats
+from .onpolicy_state import LOCK, alive, check_same_run, holder_pid, load_summary, read_prompts, save_summary
 from .routing import BASE, routes, teachers  # BASE: --teacher base, the LoRA student's own base weights
 
-LOCK = ".onpolicy.lock"
 WAIT_S = 900     # how long a rerun waits for the stages of a killed run to finish their checkpoint
 
 
@@ -131,6 +133,10 @@ def parse(argv):
     if BASE in teachers(cfg.teacher).values() and not train_cfg.lora_r:
         raise ConfigError("teacher: `base` is the base weights under a LoRA student's adapter, and this run trains "
                           "every weight (no --lora-r): pass --lora-r R, or a teacher directory")
+    if train_cfg.cross_tokenizer and (BASE in teachers(cfg.teacher).values() or train_cfg.objective == "token-rkl"):
+        raise ConfigError("cross_tokenizer: " + ("`base` teachers share the student's tokenizer: drop "
+                          "--cross-tokenizer" if train_cfg.objective != "token-rkl" else "token-rkl weighs the "
+                          "student's sampled ids, which the teacher's tokens do not keep; use --objective gkd"))
     if train_cfg.objective == "token-rkl" and pre_cfg.gen_temperature <= 0:
         raise ConfigError("objective: token-rkl on greedy rollouts (--gen-temperature 0): a point mass is no "
                           "distribution to weight by, and the estimate on greedy tokens is not the reverse KL; "
@@ -154,6 +160,7 @@ def run(cfg, pre, train):
         stop = StopFlag().install()
         summary = load_summary(cfg.out)
         stages = make_stages(cfg.stages, train, lock)
+        cross = cross_rounds(train, list(teachers(cfg.teacher).values()), cfg.student, pre.get("tokenizer"))
         try:
             for r in range(cfg.rounds):
                 entry = _entry(summary, r, cfg, len(prompts))
@@ -162,7 +169,7 @@ def run(cfg, pre, train):
                 if entry["stage"] == "new":
                     save_summary(cfg.out, summary)          # the round has begun
                     t0 = time.time()
-                    if not _rollout(cfg, pre, r, prompts, entry, stop, stages):
+                    if not _rollout(cfg, pre, r, prompts, entry, stop, stages, cross):
                         return _stopped(stop, r, "rollout and scoring")
                     entry.setdefault("seconds", {})["rollout"] = round(time.time() - t0, 2)
                     save_summary(cfg.out, summary)
@@ -182,7 +189,7 @@ def run(cfg, pre, train):
         lock.release()
 
 
-def _rollout(cfg, pre, r, prompts, entry, stop, stages):
+def _rollout(cfg, pre, r, prompts, entry, stop, stages, cross=False):
     """Round r's completions by the current student, scored by the teacher into a cache. True when complete."""
     d = _round_dir(cfg.out, r)
     os.makedirs(d, exist_ok=True)
@@ -195,37 +202,59 @@ def _rollout(cfg, pre, r, prompts, entry, stop, stages):
         groups = {n: [p for p, m in zip(picked, names) if m == n] for n in named if n in names}
     done = {}
     for name, lines in groups.items():
-        cache = _score(cfg, pre, r, name, named[name], lines, stop, stages)
-        if cache is None:
+        got = _score(cfg, pre, r, name, named[name], lines, stop, stages, cross)
+        if got is None:
             return False
-        done[name] = cache
+        done[name] = got
+    if cross:                  # what the rollouts held as text (kdcache/onpolicy_cross.py)
+        entry["completions"] = {n: c for n, (_, _, c) in done.items()} if cfg.routed else done[""][2]
     if not cfg.routed:
         entry.update(cache=done[""][0], stage="scored", teacher_tokens=done[""][1])
         return True
-    entry.update(cache=[c for c, _ in done.values()], stage="scored",
-                 teacher_tokens=sum(n for _, n in done.values()),
+    entry.update(cache=[c for c, _, _ in done.values()], stage="scored",
+                 teacher_tokens=sum(n for _, n, _ in done.values()),
                  teachers={n: {"cache": c, "prompts": len(groups[n]), "teacher_tokens": t}
-                           for n, (c, t) in done.items()})
+                           for n, (c, t, _) in done.items()})
     return True
 
 
-def _score(cfg, pre, r, name, teacher, lines, stop, stages):
+def _score(cfg, pre, r, name, teacher, lines, stop, stages, cross=False):
     """One precompute job of round r: `lines`' completions by the round's student, scored by `teacher` (named
-    `name` among routed teachers, else ""). (cache, teacher tokens) when complete, else None."""
+    `name` among routed teachers, else ""); with cross (another tokenizer family), through text in three steps
+    (kdcache/onpolicy_cross.py). (cache, teacher tokens, completion counts or None) when complete, else None."""
     d, start = _round_dir(cfg.out, r), r * cfg.prompts_per_round
     tag = f"-{name}" if name else ""
-    atomic_write_bytes(os.path.join(d, f"prompts{tag}.jsonl"), "".join(line + "\n" for line in lines).encode())
-    where = os.path.join(d, f"cache{tag}.txt")
-    stage = dict(pre, teacher=cfg.student if teacher == BASE else teacher, data=os.path.join(d, f"prompts{tag}.jsonl"),
-                 out=cfg.store or os.path.join(cfg.out, "store"), store=True,
-                 alias=f"{os.path.basename(os.path.abspath(cfg.out))}-round-{r + 1}{tag}", mode="generate",
-                 generator=student_of_round(cfg, r), location_file=where,
-                 seed=int(pre.get("seed") or 0) + start)    # sample seeds: seed + the prompt's running number
-    _write_yaml(os.path.join(d, f"precompute{tag}.yaml"), stage)
-    _say(f"round {r + 1}/{cfg.rounds}: {len(lines)} completions by {stage['generator']}, scored by "
-         f"{(name + ': ') if name else ''}{stage['teacher']}"
-         f"{' (the base weights, adapter disabled)' if teacher == BASE else ''}")
-    stages.precompute(os.path.join(d, f"precompute{tag}.yaml"), stop, f"round {r + 1}{tag}")
+    prompts = os.path.join(d, f"prompts{tag}.jsonl")
+    atomic_write_bytes(prompts, "".join(line + "\n" for line in lines).encode())
+    gen, counts, base = student_of_round(cfg, r), None, teacher == BASE
+    teacher = cfg.student if base else teacher
+    common = dict(out=cfg.store or os.path.join(cfg.out, "store"), store=True,
+                  alias=f"{os.path.basename(os.path.abspath(cfg.out))}-round-{r + 1}{tag}",
+                  seed=int(pre.get("seed") or 0) + start)    # sample seeds: seed + the prompt's running number
+    who = f"{(name + ': ') if name else ''}{teacher}"
+    if not cross:
+        stage = dict(pre, teacher=teacher, data=prompts, mode="generate", generator=gen, **common)
+        _say(f"round {r + 1}/{cfg.rounds}: {len(lines)} completions by {gen}, scored by {who}"
+             f"{' (the base weights, adapter disabled)' if base else ''}")
+    else:
+        roll = dict(rollout_settings(pre, gen), data=prompts, **dict(common, alias=common["alias"] + "-rollout"))
+        _say(f"round {r + 1}/{cfg.rounds}: {len(lines)} completions by {gen} in its own tokens (--cross-tokenizer)")
+        rolled = _job(roll, d, f"rollout{tag}", f"rollout{tag}.txt", stop, stages, f"round {r + 1}{tag} rollout")
+        if rolled is None:
+            return None
+        counts = write_chats(os.path.join(d, f"chats{tag}.jsonl"), rolled[0], lines, gen, pre.get("tokenizer"))
+        _say(f"round {r + 1}/{cfg.rounds}: {completions_line(counts)}; their text scored by {who}")
+        stage = dict(scoring_settings(pre, teacher), data=os.path.join(d, f"chats{tag}.jsonl"), **common)
+    done = _job(stage, d, f"precompute{tag}", f"cache{tag}.txt", stop, stages, f"round {r + 1}{tag}")
+    return None if done is None else (done[0], int(done[1]["counts"]["tokens"]), counts)
+
+
+def _job(stage, d, name, where, stop, stages, what):
+    """Run one precompute stage from d/NAME.yaml, its cache's location written to d/WHERE. (cache, manifest) once
+    the cache is complete, else None."""
+    where = os.path.join(d, where)
+    _write_yaml(os.path.join(d, f"{name}.yaml"), dict(stage, location_file=where))
+    stages.precompute(os.path.join(d, f"{name}.yaml"), stop, what)
     if not os.path.isfile(where):      # stopped before it knew where its cache goes
         return None
     with open(where) as f:
@@ -236,9 +265,7 @@ def _score(cfg, pre, r, name, teacher, lines, stop, stages):
         if stop.signal:                # stopped before its first commit: nothing of it is kept
             return None
         raise
-    if not m.complete:
-        return None
-    return cache, int(m["counts"]["tokens"])
+    return (cache, m) if m.complete else None
 
 
 def _train(cfg, train, r, entry, stop, stages):
@@ -289,22 +316,6 @@ def student_of_round(cfg, r):
     return cfg.student if r == 0 else os.path.join(cfg.out, "final")
 
 
-def read_prompts(path, places=False):
-    """The prompt records, one JSON text each: a JSONL file's non-blank lines as they are (precompute parses and
-    reports them), or each row of a Parquet file or save_to_disk directory. places: also where each is
-    ("FILE:LINE", or the row's place)."""
-    if os.path.isfile(path) and path.endswith((".jsonl", ".json", ".ndjson")):
-        with open(path, encoding="utf-8") as f:
-            got = [(line.rstrip("\r\n"), f"{path}:{n}") for n, line in enumerate(f, start=1) if line.strip()]
-    else:
-        from kdcache.pipeline.data import iter_rows
-        got = [(json.dumps(row.data), row.where) for row in iter_rows(path)]
-    if not got:
-        raise ConfigError(f"data: {path} holds no prompt records")
-    rows = [g for g, _ in got]
-    return (rows, [w for _, w in got]) if places else rows
-
-
 # ---------------------------------------------------------------------------- the pieces
 def _lock(out):
     """Hold DIR for this run. Held by another live `kdcache onpolicy`: refused. Held only by the stages of one
@@ -316,8 +327,8 @@ def _lock(out):
         try:
             return lock.acquire()
         except LockedError:
-            holder = _holder_pid(out)
-            if holder is not None and _alive(holder):
+            holder = holder_pid(out)
+            if holder is not None and alive(holder):
                 raise
             if deadline is None:
                 deadline = time.time() + WAIT_S
@@ -325,25 +336,6 @@ def _lock(out):
             if time.time() > deadline:
                 raise
             time.sleep(0.5)
-
-
-def _holder_pid(out):
-    try:
-        with open(os.path.join(out, LOCK)) as f:
-            text = f.read().split()
-        return int(text[1]) if len(text) > 1 and text[0] == "pid" else None
-    except (OSError, ValueError):
-        return None
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return pid != os.getpid()
 
 
 def _entry(summary, r, cfg, n_prompts):

@@ -12,7 +12,7 @@ from kdcache.train.config import TrainConfig
 
 from .routing import BASE, teachers
 
-SUMMARY, CONFIG = "summary.json", "onpolicy_config.yaml"
+SUMMARY, CONFIG, LOCK = "summary.json", "onpolicy_config.yaml", ".onpolicy.lock"
 
 
 def load_summary(out):
@@ -93,3 +93,38 @@ def check_same_run(cfg, pre, train):
                               "with the same settings (and prompts) to resume it, or pass another --out.")
         return
     atomic_write_bytes(path, yaml.safe_dump(now, sort_keys=True).encode())
+
+
+def read_prompts(path, places=False):
+    """The prompt records, one JSON text each: a JSONL file's non-blank lines as they are (precompute parses and
+    reports them), or each row of a Parquet file or save_to_disk directory. places: also where each is
+    ("FILE:LINE", or the row's place)."""
+    if os.path.isfile(path) and path.endswith((".jsonl", ".json", ".ndjson")):
+        with open(path, encoding="utf-8") as f:
+            got = [(line.rstrip("\r\n"), f"{path}:{n}") for n, line in enumerate(f, start=1) if line.strip()]
+    else:
+        from kdcache.pipeline.data import iter_rows
+        got = [(json.dumps(row.data), row.where) for row in iter_rows(path)]
+    if not got:
+        raise ConfigError(f"data: {path} holds no prompt records")
+    rows = [g for g, _ in got]
+    return (rows, [w for _, w in got]) if places else rows
+
+
+def holder_pid(out):
+    try:
+        with open(os.path.join(out, LOCK)) as f:
+            text = f.read().split()
+        return int(text[1]) if len(text) > 1 and text[0] == "pid" else None
+    except (OSError, ValueError):
+        return None
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid != os.getpid()

@@ -43,7 +43,8 @@ class Example:
     text: str = None
     input_ids: list = None
     labels: list = None
-    truncated: bool = False  # ids: flagged cut short by the record itself (a cache's samples carry theirs)
+    truncated: bool = False  # flagged cut short by the record itself (a cache's samples carry theirs; a chat's or
+    #                          pair's last answer was cut by its writer's budget: its end of turn is not trained)
     # Privileged context (SPEC.md 4.5): the conversation, or the ids and labels, as the teacher sees them
     teacher_messages: list = None
     teacher_input_ids: list = None
@@ -70,17 +71,21 @@ def parse_ids(data) -> Example:
     """{"input_ids": [...], "labels": [...]}: labels[t] is IGNORE or input_ids[t]; position t-1 is trained where it
     is not IGNORE (labels[0] is never a target: no position predicts it). Without labels, every token is.
     With "teacher_input_ids" and "teacher_labels" (both needed): the ids the teacher scores, under the same rule."""
-    truncated = data.get("truncated", False)
-    if not isinstance(truncated, bool):
-        raise BadRow(f"field 'truncated' must be true or false, got {type(truncated).__name__}")
     ids, labels = _ids_and_labels(data, "input_ids", "labels")
-    ex = Example("ids", input_ids=ids, labels=labels, truncated=truncated)
+    ex = Example("ids", input_ids=ids, labels=labels, truncated=_truncated(data))
     if data.get("teacher_input_ids") is not None or data.get("teacher_labels") is not None:
         ex.teacher_input_ids, ex.teacher_labels = _ids_and_labels(data, "teacher_input_ids", "teacher_labels")
         if ex.teacher_labels is None:
             raise BadRow("field 'teacher_input_ids' needs 'teacher_labels' (-100 where the teacher's token is not a "
                          "trained one): they say which of its tokens are the student's trained tokens")
     return ex
+
+
+def _truncated(data) -> bool:
+    truncated = data.get("truncated", False)
+    if not isinstance(truncated, bool):
+        raise BadRow(f"field 'truncated' must be true or false, got {type(truncated).__name__}")
+    return truncated
 
 
 def _ids_and_labels(data, ids_key, labels_key):
@@ -317,13 +322,15 @@ def _messages(data, key):
 
 
 def parse_row(data) -> Example:
-    """Check the record's shape and types; raise BadRow naming the field. Unknown fields are ignored."""
+    """Check the record's shape and types; raise BadRow naming the field. Unknown fields are ignored.
+    "truncated": true on a chat or pair: its last answer was cut short by its writer (a generation budget), so
+    its end of turn, which the template writes, is not trained (kdcache onpolicy --cross-tokenizer writes these)."""
     if not isinstance(data, dict):
         raise BadRow(f"record must be a JSON object, got {type(data).__name__}")
     if "input_ids" in data:
         return parse_ids(data)
     if "messages" in data:
-        ex = Example("chat", messages=_messages(data, "messages"))
+        ex = Example("chat", messages=_messages(data, "messages"), truncated=_truncated(data))
         if data.get("teacher_messages") is not None:
             ex.teacher_messages = _messages(data, "teacher_messages")
         return ex
@@ -333,7 +340,8 @@ def parse_row(data) -> Example:
         key = "completion" if "completion" in data else "response" if "response" in data else None
         if key is None:
             raise BadRow("field 'prompt' needs a 'completion' (or 'response') field")
-        return Example("pair", prompt=_need_str(data, "prompt", allow_empty=True), completion=_need_str(data, key))
+        return Example("pair", prompt=_need_str(data, "prompt", allow_empty=True), completion=_need_str(data, key),
+                       truncated=_truncated(data))
     if "text" in data:
         return Example("text", text=_need_str(data, "text"))
     raise BadRow(f"record has none of the fields 'messages', 'prompt'+'completion', 'text', 'input_ids' "

@@ -113,9 +113,13 @@ class Encoder:
         keep = np.ones(len(positions), bool)
         if self.drop_end_of_turn:
             keep = ~np.isin(np.asarray(ids)[positions + 1], list(self.turn_ends))
+        cut = ex.truncated and ex.kind != "text" and len(positions) and ids[positions[-1] + 1] in self.turn_ends
+        if cut:           # the last answer was cut by its writer: the end of turn the template adds is not its own
+            keep[-1] = False
         if teacher is not None:
             teacher = (teacher[0], teacher[1][keep])
-        return self._limit(sample_id, ids, positions[keep], teacher)
+        s = self._limit(sample_id, ids, positions[keep], teacher)
+        return replace(s, truncated=True) if ex.truncated else s
 
     def _chat(self, msgs):
         return chat_spans(self.tok, msgs, self.turn_ends, self.max_chars) if self.template == "chat" \

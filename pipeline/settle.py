@@ -307,7 +307,8 @@ def check_generator(cfg, tok_id, teacher_backend):
     if diffs:
         raise ConfigError(f"generator: {cfg.generator} has another tokenizer than the teacher's "
                           f"({'; '.join(diffs).replace(' in the cache', ' for the teacher')}): its token ids "
-                          "would mean other tokens to the teacher. Use a generator with the teacher's tokenizer")
+                          "would mean other tokens to the teacher. Use a generator with the teacher's tokenizer, or "
+                          "`kdcache onpolicy --cross-tokenizer`, whose rollouts reach the teacher as text")
     return teacher_backend if teacher_backend in ("hf", "vllm") else choose_backend("auto", cfg.generator)[0]
 
 

@@ -28,9 +28,12 @@ def chat_of(ex) -> dict | None:
         out = {"kind": "chat", "messages": ex.messages}
         if ex.teacher_messages:
             out["teacher_messages"] = ex.teacher_messages
+    elif ex.kind == "pair":
+        out = {"kind": "pair", "prompt": ex.prompt, "completion": ex.completion}
+    if ex.kind in ("chat", "pair"):
+        if ex.truncated:
+            out["truncated"] = True
         return out
-    if ex.kind == "pair":
-        return {"kind": "pair", "prompt": ex.prompt, "completion": ex.completion}
     if ex.kind == "text":
         return {"kind": "text", "text": ex.text}
     return None

@@ -23,6 +23,8 @@ cache's source (SPEC.md 4.6: the conversation as text and the teacher's tokenize
      row still sums to 1. At inside and template positions
      the student trains its own cross-entropy on the reference token, as the GOLD and ULD papers do where no
      teacher distribution matches (kdcache never merges spans into approximate distributions).
+A chat whose last answer was cut by its writer's budget (the source's "truncated", kdcache onpolicy's rollouts)
+keeps every position of that answer but not its end of turn, which the templates add and its writer never wrote.
 Samples that cannot be derived exactly (a tokenizer that does not give the text back byte for byte, an answer the
 two templates write differently, a cut sample) are skipped, counted by reason and named, never trained misaligned.
 """
@@ -148,7 +150,8 @@ class CrossTokenizer:
             return self._skip(rec, "no_conversation", "the source holds no conversation for it")
         if chat["kind"] == "text":
             return self._skip(rec, "text_record", "a plain-text record (cross-tokenizer training maps chats)")
-        if rec.truncated:
+        open_end = bool(chat.get("truncated"))       # its last answer was cut by a generation budget
+        if rec.truncated and not open_end:
             return self._skip(rec, "truncated", "cut at the precompute's max_length")
         msgs = chat["messages"] if chat["kind"] == "chat" else \
             [{"role": "user", "content": chat["prompt"]}, {"role": "assistant", "content": chat["completion"]}]
@@ -158,6 +161,8 @@ class CrossTokenizer:
         except (BadRow, SkipSample) as e:
             return self._skip(rec, "template", str(e))
         if list(t_ids) != rec.input_ids.tolist():
+            if rec.truncated:
+                return self._skip(rec, "truncated", "cut at the precompute's max_length")
             return self._skip(rec, "teacher_rendering", "the teacher's template renders it to other ids than the "
                               "cache holds")
         t_bytes, s_bytes = starts(self.t_pieces, t_ids), starts(self.s_pieces, s_ids)
@@ -171,7 +176,7 @@ class CrossTokenizer:
                               f"{len(s_turns)} in the student's")
         rows = {int(p): r for r, p in enumerate(rec.positions)}          # teacher position -> cache row
         pos, kind, src = [], [], []
-        for tt, ts in zip(t_turns, s_turns):
+        for turn, (tt, ts) in enumerate(zip(t_turns, s_turns)):
             if tt.text != ts.text:
                 return self._skip(rec, "answer_text", "the two templates write an answer differently "
                                   f"({tt.text[:30]!r} against {ts.text[:30]!r})")
@@ -183,6 +188,8 @@ class CrossTokenizer:
                 k, jt = TEMPLATE, None
                 rel = int(s_bytes[j]) - w_s
                 if j == ts.end - 1 and s_ids[j] in self.s_ends:
+                    if open_end and turn == len(s_turns) - 1:   # its writer never ended it: its end is not trained
+                        continue
                     if t_ids[tt.end - 1] in self.t_ends:
                         k, jt = END_OF_TURN, tt.end - 1
                 elif 0 <= rel < n:
@@ -199,9 +206,9 @@ class CrossTokenizer:
                 kind.append(k)
                 src.append(r)
         return self._student_record(rec, np.asarray(s_ids, np.int32), np.asarray(pos, np.int32),
-                                    np.asarray(kind, np.int8), np.asarray(src, np.int64), t_ids)
+                                    np.asarray(kind, np.int8), np.asarray(src, np.int64), t_ids, open_end)
 
-    def _student_record(self, rec, ids, pos, kind, src, t_ids):
+    def _student_record(self, rec, ids, pos, kind, src, t_ids, truncated=False):
         P = len(pos)
         k = max(rec.topk_ids.shape[1], 1)
         out_ids = np.full((P, k), -1, np.int64)
@@ -226,7 +233,7 @@ class CrossTokenizer:
         out_ids[own, 0], out_lp[own, 0], target_lp[own] = targets[own], 0.0, 0.0
         self.coverage.samples += 1
         self.coverage.positions.update(kind.tolist())
-        return Record(rec.sample_id, ids, pos, out_ids, out_lp, tail, False, target_lp, position_kinds=kind)
+        return Record(rec.sample_id, ids, pos, out_ids, out_lp, tail, truncated, target_lp, position_kinds=kind)
 
     def reduced(self) -> dict:
         """Coverage.summary() over every rank (a collective: each rank calls it)."""

@@ -176,3 +176,29 @@ def test_a_chat_past_max_messages_is_skipped_and_counted_before_the_template_run
     finally:
         tok.apply_chat_template = real
     assert n <= 2 and len(calls) > n          # refused without rendering (Encoder() renders once to find the ends)
+
+
+def test_a_chat_whose_last_answer_was_cut_by_its_writer_trains_that_answer_but_not_its_end(tiny):
+    """"truncated": true on a chat or pair (a rollout cut by its generation budget, kdcache onpolicy
+    --cross-tokenizer): the template still closes the turn, but the end it writes is not trained; earlier turns'
+    ends are. The flag must be a bool, and the source keeps it."""
+    from kdcache.cache_format.errors import ShardError
+    from kdcache.cache_format.source import check_chat
+    from kdcache.common.errors import BadRow
+    from kdcache.pipeline.source import chat_of
+    tok = tiny["tok"]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    whole = Encoder(tok).encode(parse_row(MULTI))
+    cut = Encoder(tok).encode(parse_row(dict(MULTI, truncated=True)))
+    assert cut.input_ids.tolist() == whole.input_ids.tolist()           # the same rendering, closed by the template
+    assert cut.positions.tolist() == whole.positions[:-1].tolist()       # all but the last turn's end
+    assert targets(cut).count(im_end) == 1 and targets(cut)[-1] != im_end and cut.truncated and not whole.truncated
+    pair = {"prompt": "q", "completion": "sql, pyth", "truncated": True}
+    enc = Encoder(tok).encode(parse_row(pair))
+    assert im_end not in targets(enc) and tok.decode(targets(enc)) == "sql, pyth" and enc.truncated
+    assert chat_of(parse_row(pair)) == {"kind": "pair", "prompt": "q", "completion": "sql, pyth", "truncated": True}
+    assert "truncated" not in chat_of(parse_row(MULTI))
+    with pytest.raises(BadRow, match="truncated"):
+        parse_row(dict(MULTI, truncated="yes"))
+    with pytest.raises(ShardError, match="truncated"):
+        check_chat({"kind": "text", "text": "a", "truncated": True}, "sample 0")
