@@ -25,6 +25,7 @@ from kdcache.cache_format.manifest import load_manifest
 from kdcache.cache_format.reader import open_cache
 from kdcache.cache_format.tokenizer_id import diff_identity, tokenizer_identity
 from kdcache.common.atomic import atomic_write_bytes
+from kdcache.common.chat import before_last_answer
 from kdcache.common.errors import ConfigError, KdcacheError
 
 REASONS = ("not_utf8", "special_token", "blank")   # why a completion is left out of the scoring
@@ -77,7 +78,7 @@ def completion_chats(rollout_cache: str, prompt_lines: list[str], student_tok) -
     each REASONS' number with the first sample it named, and rollout_samples: the rollout's sample id of each
     chat record (chat record i is sample i of the scoring cache)."""
     from kdcache.pipeline.data import parse_row
-    from kdcache.train.align import token_bytes
+    from kdcache.train.align import token_bytes, utf8_text
     pieces = token_bytes(student_tok)
     special = set(student_tok.all_special_ids)
     ends = set(int(t) for t in load_manifest(rollout_cache).eos_token_ids)
@@ -92,7 +93,7 @@ def completion_chats(rollout_cache: str, prompt_lines: list[str], student_tok) -
         if not rec.truncated and ids and ids[-1] in ends:
             ids = ids[:-1]
         reason = "special_token" if any(t in special for t in ids) else None
-        text = _text(b"".join(pieces[t] for t in ids), rec.truncated)
+        text = utf8_text(b"".join(pieces[t] for t in ids), rec.truncated)
         if text is None:
             text, reason = "", reason or "not_utf8"
         if not reason and not text.strip():      # a dataset's answer is never blank (pipeline/data.py)
@@ -102,32 +103,16 @@ def completion_chats(rollout_cache: str, prompt_lines: list[str], student_tok) -
             counts["first_left_out"].setdefault(reason, f"{rollout_cache} sample {int(rec.sample_id)}")
             continue
         ex = parse_row(json.loads(prompt_lines[int(rec.sample_id)]))
-        row = {"messages": _before_answer(ex.messages or [{"role": "user", "content": ex.prompt}]) +
-               [{"role": "assistant", "content": text}]}
+        answer = [{"role": "assistant", "content": text}]
+        row = {"messages": before_last_answer(ex.messages or [{"role": "user", "content": ex.prompt}]) + answer}
         if ex.teacher_messages:
-            row["teacher_messages"] = _before_answer(ex.teacher_messages) + [{"role": "assistant", "content": text}]
+            row["teacher_messages"] = before_last_answer(ex.teacher_messages) + answer
         if rec.truncated:
             row["truncated"] = True
             counts["truncated"] += 1
         rows.append(row)
         counts["rollout_samples"].append(int(rec.sample_id))
     return rows, counts
-
-
-def _text(data: bytes, cut: bool) -> str | None:
-    """The completion's bytes as text; None where they are no UTF-8. A completion cut by the budget may end inside
-    a character: those last bytes (at most 3) are dropped, and the answer is the text before them."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        if cut and e.reason == "unexpected end of data" and e.end == len(data):
-            return _text(data[:e.start], False)
-        return None
-
-
-def _before_answer(msgs):
-    """The messages before the last assistant turn (what generate mode renders as the prompt)."""
-    return list(msgs[:max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=len(msgs))])
 
 
 def write_chats(path, rollout_cache, prompt_lines, student_dir, tokenizer=None) -> dict:

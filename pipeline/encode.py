@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kdcache.cache_format.record import span_positions
-from kdcache.common.chat import chat_spans, end_of_turn_ids, render  # noqa: F401  (end_of_turn_ids: moved there)
+from kdcache.common.chat import before_last_answer, chat_spans, end_of_turn_ids, render  # noqa: F401  (end_of_turn_ids: moved there)
 from kdcache.common.errors import BadRow, ConfigError, SkipSample
 
 from .data import IGNORE, Example
@@ -257,7 +257,7 @@ class Encoder:
 
     def _chat_prompt(self, msgs):
         """The ids of msgs before their last assistant turn, with the generation prompt."""
-        msgs = msgs[:max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=len(msgs))]
+        msgs = before_last_answer(msgs)
         if self.template == "chat":
             return self.tok(render(self.tok, msgs, gen_prompt=True), add_special_tokens=False)["input_ids"]
         return self._raw_chat(msgs)[0]

@@ -39,10 +39,10 @@ import numpy as np
 from kdcache.cache_format.record import Record
 from kdcache.cache_format.source import CacheSource
 from kdcache.cache_format.tokenizer_id import diff_identity, tokenizer_identity
-from kdcache.common.chat import chat_turns, end_of_turn_ids
+from kdcache.common.chat import before_last_answer, chat_turns, end_of_turn_ids
 from kdcache.common.errors import BadRow, ConfigError, SkipSample, TokenizerMismatch
 
-from .align import first_token_map, map_topk, starts, token_bytes
+from .align import first_token_map, map_topk, starts, token_bytes, utf8_text
 
 KINDS = ("one_to_one", "aligned", "end_of_turn", "inside", "template")
 ONE_TO_ONE, ALIGNED, END_OF_TURN, INSIDE, TEMPLATE = range(len(KINDS))
@@ -98,9 +98,7 @@ class CrossTokenizer:
         else:
             cache_dir, manifest = cache.directory, cache.manifest
         capture = (manifest.fingerprint_parts or {}).get("capture", {})
-        if capture.get("mode", "score") != "score":
-            raise ConfigError(f"cross_tokenizer: {cache_dir} is a generate-mode cache (the teacher's own "
-                              "completions); --cross-tokenizer trains score-mode caches only, for now")
+        self.generated = capture.get("mode", "score") == "generate"    # the answers are the cache's own ids
         if manifest.sample:
             raise ConfigError(f"cross_tokenizer: {cache_dir} is a sampled cache (--sample); --cross-tokenizer maps "
                               "top-k caches only")
@@ -151,16 +149,25 @@ class CrossTokenizer:
         if chat["kind"] == "text":
             return self._skip(rec, "text_record", "a plain-text record (cross-tokenizer training maps chats)")
         open_end = bool(chat.get("truncated"))       # its last answer was cut by a generation budget
-        if rec.truncated and not open_end:
+        if rec.truncated and not open_end and not self.generated:
             return self._skip(rec, "truncated", "cut at the precompute's max_length")
         msgs = chat["messages"] if chat["kind"] == "chat" else \
             [{"role": "user", "content": chat["prompt"]}, {"role": "assistant", "content": chat["completion"]}]
+        if self.generated:                           # the source holds the prompt; the answer is in the ids
+            msgs, open_end = self._generated_chat(rec, msgs), bool(rec.truncated)
+            if msgs is None:
+                return self._skip(rec, "answer_text", "the generated completion is no text (bytes that are no "
+                                  "UTF-8, or a special token inside it)")
         try:
             t_text, t_ids, t_turns = chat_turns(self.teacher, msgs, self.t_ends)
             s_text, s_ids, s_turns = chat_turns(self.student, msgs, self.s_ends)
         except (BadRow, SkipSample) as e:
             return self._skip(rec, "template", str(e))
-        if list(t_ids) != rec.input_ids.tolist():
+        if self.generated:
+            if not _generated_prefix(rec, t_ids, t_turns):
+                return self._skip(rec, "teacher_rendering", "the teacher's generated ids are not how its tokenizer "
+                                  "writes their text (a non-canonical tokenization)")
+        elif list(t_ids) != rec.input_ids.tolist():
             if rec.truncated:
                 return self._skip(rec, "truncated", "cut at the precompute's max_length")
             return self._skip(rec, "teacher_rendering", "the teacher's template renders it to other ids than the "
@@ -207,6 +214,17 @@ class CrossTokenizer:
                 src.append(r)
         return self._student_record(rec, np.asarray(s_ids, np.int32), np.asarray(pos, np.int32),
                                     np.asarray(kind, np.int8), np.asarray(src, np.int64), t_ids, open_end)
+
+    def _generated_chat(self, rec, msgs):
+        """A generate-mode sample's chat: the source's prompt, then the completion's text (the bytes of its ids
+        before the end of turn); None where that is no text."""
+        ids = rec.input_ids[int(rec.positions[0]) + 1:].tolist()
+        if not rec.truncated and ids and ids[-1] in self.t_ends:
+            ids = ids[:-1]
+        if any(t in self.teacher.added_tokens_decoder for t in ids):
+            return None
+        text = utf8_text(b"".join(self.t_pieces[t] for t in ids), bool(rec.truncated))
+        return None if text is None else before_last_answer(msgs) + [{"role": "assistant", "content": text}]
 
     def _student_record(self, rec, ids, pos, kind, src, t_ids, truncated=False):
         P = len(pos)
@@ -284,6 +302,15 @@ def coverage_line(cache, cov: dict) -> str:
     return (f"{cache}: --cross-tokenizer, {cov['samples']:,} samples, {cov['positions']:,} positions: {shares}; "
             f"teacher top-k mass mapped {cov['mass_mapped']:.1%}"
             + (f"; skipped {skipped} (first: {next(iter(cov['first_skipped'].values()))})" if skipped else ""))
+
+
+def _generated_prefix(rec, t_ids, t_turns) -> bool:
+    """A generate-mode sample's ids are the teacher's rendering of its chat up to where generation stopped: its
+    last answer's end of turn (the template writes a suffix after it), or for an answer cut by the budget, the
+    token before that end of turn."""
+    n = len(rec.input_ids)
+    return bool(t_turns) and list(t_ids[:n]) == rec.input_ids.tolist() and \
+        t_turns[-1].end == n + (1 if rec.truncated else 0)
 
 
 def _template_end(tok, ends):

@@ -125,6 +125,13 @@ def _turn(full, ids, starts, ends, cursor, opening, content, turn_ends, i, cut=F
     return a, eot, where, text
 
 
+def before_last_answer(messages) -> list:
+    """The messages before the last assistant turn (what generate mode renders as the prompt); all of them
+    where there is none."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+    return list(messages[:last])
+
+
 def end_of_turn_ids(tok, extra=()):
     """Token ids that end an assistant turn: the tokenizer's EOS, the template's end-of-turn, extras."""
     ids = {int(t) for t in extra}

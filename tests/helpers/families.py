@@ -682,3 +682,30 @@ def family_model(tok, out_dir, *, arch="qwen2", seed=0):
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return model
+
+
+def warm_model(model_dir, chats, steps=80, lr=3e-3):
+    """A few SFT steps of the model in model_dir on `chats` rendered by its own template (saved in place): a random
+    model's completions are blank or no UTF-8 at all; a warmed one writes answers, some of which end within a small
+    budget."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kdcache.common.chat import chat_spans, end_of_turn_ids
+    tok, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    seqs = []
+    for c in chats:                     # trained on the answers (their end of turn included) only
+        ids, spans = chat_spans(tok, c, set(end_of_turn_ids(tok)))
+        labels = torch.full((1, len(ids)), -100)
+        for a, b in spans:
+            labels[0, a:b] = torch.tensor(ids[a:b])
+        seqs.append((torch.tensor([ids]), labels))
+    model.train()
+    for step in range(steps):
+        ids, labels = seqs[step % len(seqs)]
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval().save_pretrained(model_dir)

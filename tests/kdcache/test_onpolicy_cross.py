@@ -13,7 +13,7 @@ from kdcache.cache_format import open_cache, verify_cache
 from kdcache.cache_format.source import CacheSource
 from kdcache.common.chat import chat_spans, render
 from tests.helpers.cli import on_shared_ray, run, user_env, write_jsonl
-from tests.helpers.families import CHAT, FAMILY_ARCH, corpus_texts, family_model, family_tokenizer
+from tests.helpers.families import CHAT, FAMILY_ARCH, corpus_texts, family_model, family_tokenizer, warm_model
 
 pytestmark = [pytest.mark.ray, pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -32,7 +32,7 @@ def loop(tmp_path_factory):
     teacher, student = str(root / "teacher"), str(root / "student")
     family_model(t_tok, teacher, arch=FAMILY_ARCH["chatml"], seed=0)
     family_model(s_tok, student, arch=FAMILY_ARCH["llama3"], seed=1)
-    _warm(student, PROMPT_CHATS)
+    warm_model(student, PROMPT_CHATS, steps=300)
     data = write_jsonl(root / "prompts.jsonl", [{"messages": m} for m in PROMPT_CHATS])
     out = str(root / "run")
     res = run(*_command(teacher, student, data, out), 900)
@@ -50,24 +50,6 @@ def _command(teacher, student, data, out, **env):
             "--worker-cpus", "0.5"]
     args, env = on_shared_ray(args, user_env(RAY_ADDRESS="", **env))
     return [sys.executable, "-m", "kdcache", "onpolicy", *map(str, args)], env
-
-
-def _warm(student, chats, steps=80):
-    """A few SFT steps on the chats in the student's own template: a random student's completions are blank or
-    no UTF-8 at all; this one writes answers, some of which end within the budget."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok, model = AutoTokenizer.from_pretrained(student), AutoModelForCausalLM.from_pretrained(student)
-    torch.manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    seqs = [torch.tensor([chat_spans(tok, c, {tok.convert_tokens_to_ids("<|eot_id|>")})[0]]) for c in chats]
-    for step in range(steps):
-        ids = seqs[step % len(seqs)]
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.save_pretrained(student)
 
 
 def _round(out, r, name):

@@ -256,3 +256,40 @@ def test_kill9_mid_run_then_resume_gives_the_uninterrupted_losses(trained, tmp_p
     assert [r["step"] for r in got] == list(range(1, 11))
     keys = ["loss"] + [f"loss_{k}" for k in xt.KINDS]
     assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]
+
+
+def test_a_generate_mode_cache_trains_the_teachers_own_completions_in_the_students_tokens(tmp_path):
+    """Sequence-level KD across families: the teacher (Gemma) wrote the answers (precompute --mode generate); the
+    source holds the prompts and the cache the answers' ids. The student (Qwen3) renders each prompt with the
+    answer's exact text (the bytes of the teacher's ids); an answer the teacher ended trains the student's end
+    of turn on the teacher's end-of-turn row, one the budget cut does not, and nothing is skipped."""
+    from tests.helpers.families import warm_model
+    rows = [CHAT[n] for n in ("one_turn", "two_turns", "code_answer", "spaces_answer")] + EXTRA
+    p = build(tmp_path, "gemma", "qwen3", [[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]])
+    warm_model(p["teacher"], rows, steps=300)
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"messages": m} for m in rows])
+    cache = str(tmp_path / "generated")
+    res = precompute("--teacher", p["teacher"], "--data", data, "--out", cache, "--backend", "hf", "--top-k", 16,
+                     "--mode", "generate", "--gen-max-new-tokens", 5, "--gen-temperature", 0, shared_ray=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    conv = xt.CrossTokenizer(cache, p["s_tok"])
+    t_pieces = token_bytes(p["t_tok"])
+    ended = cut = 0
+    for rec in open_cache(cache):
+        got = conv.convert(rec)
+        assert got is not None, conv.coverage.first_skip
+        new = rec.input_ids[rec.positions[0] + 1:].tolist()
+        answer = b"".join(t_pieces[t] for t in (new if rec.truncated else new[:-1])).decode("utf-8")
+        msgs = rows[rec.sample_id][:max(i for i, m in enumerate(rows[rec.sample_id]) if m["role"] == "assistant")]
+        ids, spans = chat_spans(p["s_tok"], msgs + [{"role": "assistant", "content": answer}], conv.s_ends)
+        assert got.input_ids.tolist() == ids                          # the student's rendering of that text
+        last = int(got.input_ids[got.positions[-1] + 1])
+        if rec.truncated:
+            cut += 1
+            assert last not in conv.s_ends and got.positions[-1] == spans[-1][1] - 3 and got.truncated
+        else:
+            ended += 1
+            assert last in conv.s_ends and got.position_kinds[-1] == xt.END_OF_TURN
+            row = rec.positions.tolist().index(len(rec.input_ids) - 2)   # the teacher's end-of-turn row
+            assert np.isclose(got.target_logprobs[-1], rec.target_logprobs[row])
+    assert ended and cut and not conv.coverage.skipped
