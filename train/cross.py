@@ -42,7 +42,7 @@ from kdcache.cache_format.tokenizer_id import diff_identity, tokenizer_identity
 from kdcache.common.chat import before_last_answer, chat_turns, end_of_turn_ids
 from kdcache.common.errors import BadRow, ConfigError, SkipSample, TokenizerMismatch
 
-from .align import first_token_map, map_topk, starts, token_bytes, utf8_text
+from .align import dummy_prefix, first_token_map, map_topk, sequence_pieces, starts, token_bytes, utf8_text
 
 KINDS = ("one_to_one", "aligned", "end_of_turn", "inside", "template")
 ONE_TO_ONE, ALIGNED, END_OF_TURN, INSIDE, TEMPLATE = range(len(KINDS))
@@ -114,11 +114,12 @@ class CrossTokenizer:
                               "re-renders chats with each side's chat template")
         self.where, self.manifest = cache_dir, manifest
         self.t_pieces, self.s_pieces = token_bytes(self.teacher), token_bytes(student_tok)
+        self.t_prefix, self.s_prefix = dummy_prefix(self.teacher), dummy_prefix(student_tok)
         self.t_ends = set(manifest.eos_token_ids)
         self.s_ends = set(end_of_turn_ids(student_tok))
         s_eot = _template_end(student_tok, self.s_ends)
         self.t2s = first_token_map(self.t_pieces, student_tok, self.s_pieces, self.teacher.added_tokens_decoder,
-                                   {t: s_eot for t in self.t_ends})
+                                   {t: s_eot for t in self.t_ends}, student_prefix=self.s_prefix)
         self.student_vocab = len(student_tok)
         self._starts = [s.sample_start for s in manifest.shards]
         self._chats = OrderedDict()
@@ -172,10 +173,11 @@ class CrossTokenizer:
                 return self._skip(rec, "truncated", "cut at the precompute's max_length")
             return self._skip(rec, "teacher_rendering", "the teacher's template renders it to other ids than the "
                               "cache holds")
-        t_bytes, s_bytes = starts(self.t_pieces, t_ids), starts(self.s_pieces, s_ids)
-        for side, text, pieces, ids in (("teacher", t_text, self.t_pieces, t_ids),
-                                        ("student", s_text, self.s_pieces, s_ids)):
-            if b"".join(pieces[i] for i in ids) != text.encode("utf-8"):
+        t_seq = sequence_pieces(self.t_pieces, t_ids, self.teacher.added_tokens_decoder, self.t_prefix)
+        s_seq = sequence_pieces(self.s_pieces, s_ids, self.student.added_tokens_decoder, self.s_prefix)
+        t_bytes, s_bytes = starts(t_seq), starts(s_seq)
+        for side, text, seq in (("teacher", t_text, t_seq), ("student", s_text, s_seq)):
+            if b"".join(seq) != text.encode("utf-8"):
                 return self._skip(rec, "not_byte_exact", f"the {side}'s tokenizer does not give the rendered chat "
                                   "back byte for byte (a normalizer rewrites text)")
         if len(t_turns) != len(s_turns):
@@ -199,6 +201,8 @@ class CrossTokenizer:
                         continue
                     if t_ids[tt.end - 1] in self.t_ends:
                         k, jt = END_OF_TURN, tt.end - 1
+                elif s_bytes[j + 1] == s_bytes[j]:        # a dummy-prefix token that covers no byte: markup
+                    k = TEMPLATE
                 elif 0 <= rel < n:
                     jt = t_at.get(rel)
                     if jt is None:

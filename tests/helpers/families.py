@@ -608,7 +608,35 @@ def _backend(spec):
     return tok
 
 
-def family_tokenizer(name, out_dir, corpus, *, vocab_size=600, base=False):
+def _sentencepiece_backend(prefix):
+    """A SentencePiece-style BPE as transformers converts the real ones: "\u2581" for a space, byte fallback for
+    what the vocabulary lacks. prefix "": Gemma's (a normalizer replaces spaces, no dummy prefix); "first":
+    Mistral v0.3's (a Metaspace pre-tokenizer that prepends "\u2581" to a text's first piece, which the decoder
+    strips again); "every": Llama 2's and Mistral v0.1's (a normalizer that prepends it to every text segment
+    between special tokens)."""
+    tok = Tokenizer(models.BPE(byte_fallback=True, fuse_unk=True))
+    if prefix == "first":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    elif prefix == "every":    # Llama 2's and Mistral v0.1's legacy normalizer: every text segment is prefixed
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    else:
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok
+
+
+def _with_byte_pieces(tok):
+    """tok with the 256 byte-fallback pieces <0x00>..<0xFF> appended to its vocabulary (BpeTrainer makes none)."""
+    import json
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def family_tokenizer(name, out_dir, corpus, *, vocab_size=600, base=False, pieces="bytelevel"):
     """Train a byte-level BPE on `corpus` with family `name`'s special tokens and chat template, save it to out_dir
     (save_pretrained) with a generation_config.json holding the family's generation ids (as ids in this
     tokenizer), and return it reloaded from out_dir with AutoTokenizer.
@@ -616,14 +644,26 @@ def family_tokenizer(name, out_dir, corpus, *, vocab_size=600, base=False):
     base=True gives the base checkpoint's roles (Llama 3: EOS <|end_of_text|>; Qwen: EOS <|endoftext|>); the template
     is kept so chats can still be rendered. Where the real tokenizer adds BOS on add_special_tokens=True (Llama 3,
     Gemma, Mistral) this one does too; add_special_tokens=False never adds one, so the BOS text the template writes
-    stays the only BOS."""
+    stays the only BOS.
+
+    pieces: "bytelevel" (the default), or SentencePiece-style pieces as the real Gemma ("sentencepiece"), Mistral
+    v0.3 ("sentencepiece-prefix": a dummy-prefix space on a text's first piece) and Llama 2 / Mistral v0.1
+    ("sentencepiece-legacy": one on every text segment) tokenizers have: _sentencepiece_backend."""
     spec, roles = SPECIALS[name], tokens_for(name, base=base)
-    tok = _backend(spec)
+    sp = pieces.startswith("sentencepiece")
+    prefix = {"sentencepiece": "", "sentencepiece-prefix": "first", "sentencepiece-legacy": "every"}.get(pieces)
+    if sp and prefix is None:
+        raise ValueError(f"pieces: {pieces!r}; one of bytelevel, sentencepiece, sentencepiece-prefix, "
+                         "sentencepiece-legacy")
+    tok = _sentencepiece_backend(prefix) if sp else _backend(spec)
     front = spec["specials"] if spec["position"] == "start" else []
     n_end = 0 if front else len(spec["specials"])
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - n_end - len(spec["added"]), special_tokens=front,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    alphabet = {} if sp else {"initial_alphabet": pre_tokenizers.ByteLevel.alphabet()}
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - n_end - len(spec["added"]) - (256 if sp else 0),
+                                  special_tokens=front, show_progress=False, **alphabet)
     tok.train_from_iterator(list(corpus), trainer)
+    if sp:
+        tok = _with_byte_pieces(tok)
     if not front:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec["specials"]])
     if spec["added"]:

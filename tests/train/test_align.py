@@ -170,3 +170,53 @@ def test_a_tokenizer_of_another_kind_is_refused_by_name(tmp_path):
     tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
     with pytest.raises(ValueError, match="neither byte-level BPE nor SentencePiece"):
         al.token_bytes(tok)
+
+
+@pytest.mark.parametrize("pieces", ["sentencepiece", "sentencepiece-prefix", "sentencepiece-legacy"])
+def test_the_sentencepiece_family_fixtures_have_the_real_shapes(tmp_path, pieces):
+    """tests/helpers/families.py's SentencePiece-style tokenizers (the pairs test_cross_tokenizer trains): "\\u2581"
+    spaces, byte fallback for a character the vocabulary lacks, and for -prefix a dummy-prefix space on a text's
+    first piece that the decoder strips; token_bytes gives each piece's bytes back."""
+    tok = family_tokenizer("mistral", str(tmp_path / "tok"), corpus_texts(), vocab_size=600, pieces=pieces)
+    assert al._decoder_kind(tok) == "sentencepiece"
+    got = tok.convert_ids_to_tokens(tok("a b ∰", add_special_tokens=False)["input_ids"])
+    assert got[0] == ("a" if pieces == "sentencepiece" else "\u2581a") and "\u2581" in "".join(got)
+    assert [p for p in got if p.startswith("<0x")] == ["<0xE2>", "<0x88>", "<0xB0>"]       # ∰ by its bytes
+    assert tok.decode(tok("a b ∰", add_special_tokens=False)["input_ids"]) == "a b ∰"
+    text = "def f():\n    return 1  # naïve 日本"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    lead = b"" if pieces == "sentencepiece" else b" "
+    assert b"".join(al.token_bytes(tok)[i] for i in ids) == lead + text.encode()
+    # sequence_pieces takes the dummy prefix off: on the first piece, and for -legacy after each special token
+    eos = tok.convert_tokens_to_ids("</s>")
+    ids = tok("a b</s>c", add_special_tokens=False)["input_ids"]
+    raw = [al.token_bytes(tok)[i] for i in ids]
+    assert eos in ids and b"".join(raw) == {"sentencepiece": b"a b</s>c", "sentencepiece-prefix": b" a b</s>c",
+                                            "sentencepiece-legacy": b" a b</s> c"}[pieces]
+    seq = al.sequence_pieces(al.token_bytes(tok), ids, tok.added_tokens_decoder, al.dummy_prefix(tok))
+    assert b"".join(seq) == b"a b</s>c"
+    assert al.dummy_prefix(tok) == {"sentencepiece": "", "sentencepiece-prefix": "first",
+                                    "sentencepiece-legacy": "every"}[pieces]
+
+
+def test_a_prefixing_student_maps_a_teacher_word_to_what_it_writes_inside_a_text(tmp_path):
+    """A student whose tokenizer writes a dummy-prefix space (Llama 2, Mistral v0.1) tokenizes a teacher piece
+    " docker" on its own as "\\u2581" (the dummy) then "\\u2581docker"...; inside a text it writes no dummy, so the
+    teacher's piece maps to the student token of its first bytes, never to the dummy space alone."""
+    from tests.helpers.families import corpus_texts, family_tokenizer
+    texts = corpus_texts()
+    t_tok = family_tokenizer("chatml", str(tmp_path / "t"), texts, vocab_size=700)
+    flat = [" ".join(t.split()) for t in texts[::-1]]      # no runs of spaces: the vocabulary has no "\u2581\u2581"
+    s_tok = family_tokenizer("mistral", str(tmp_path / "s"), flat, vocab_size=500, pieces="sentencepiece-legacy")
+    assert "\u2581\u2581" not in s_tok.get_vocab()
+    t_pieces, s_pieces = al.token_bytes(t_tok), al.token_bytes(s_tok)
+    space = s_pieces.index(b" ")
+    words = [t for t, b in enumerate(t_pieces) if len(b) > 2 and b[:1] == b" " and b[1:2].isalpha()
+             and b" " + b[1:2] in s_pieces and b not in s_pieces]
+    assert len(words) > 20
+    old = al.first_token_map(t_pieces, s_tok, s_pieces, t_tok.added_tokens_decoder)
+    new = al.first_token_map(t_pieces, s_tok, s_pieces, t_tok.added_tokens_decoder,
+                             student_prefix=al.dummy_prefix(s_tok))
+    assert sum(old[t] == space for t in words) > len(words) // 2       # the dummy, were the prefix not known
+    assert not any(new[t] == space for t in words)
+    assert all(t_pieces[t].startswith(s_pieces[new[t]]) and len(s_pieces[new[t]]) >= 2 for t in words)

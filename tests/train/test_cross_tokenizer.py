@@ -25,7 +25,18 @@ NAMES = ("one_turn", "two_turns", "newline_answer", "spaces_answer", "code_answe
 EXTRA = [[{"role": "user", "content": "One letter, please."}, {"role": "assistant", "content": "a"}],
          [{"role": "user", "content": "Write it in French."},
           {"role": "assistant", "content": "naïve café — 日本語 🙂"}]]
-PAIRS = [("llama3", "qwen3"), ("gemma", "chatml"), ("mistral", "llama3"), ("chatml", "gemma")]
+PAIRS = [("llama3", "qwen3"), ("gemma", "chatml"), ("chatml", "gemma"),
+         # SentencePiece-style pieces, as the real Gemma, Mistral v0.3 and Llama 2 / Mistral v0.1 tokenizers have
+         # ("\u2581" spaces, byte fallback; a dummy-prefix space on a text's first piece, or on every segment
+         # between special tokens): tests/helpers/families.py
+         ("gemma:sentencepiece", "qwen3"), ("qwen3", "mistral:sentencepiece-prefix"),
+         ("mistral:sentencepiece-legacy", "llama3"), ("chatml", "mistral:sentencepiece-legacy")]
+
+
+def _family(name):
+    """(family, pieces) of a PAIRS entry."""
+    family, _, pieces = name.partition(":")
+    return family, pieces or "bytelevel"
 
 
 def chats(n_demo=6):
@@ -35,8 +46,10 @@ def chats(n_demo=6):
 
 def build(root, teacher, student, data_rows):
     texts = corpus_texts() + list(corpus(make_splits(60, 0, seed=0)[0])) + [m["content"] for c in EXTRA for m in c]
-    t_tok = family_tokenizer(teacher, str(root / "t-tok"), texts, vocab_size=700)
-    s_tok = family_tokenizer(student, str(root / "s-tok"), texts[::-1], vocab_size=500)   # other merges and ids
+    (teacher, t_pieces), (student, s_pieces) = _family(teacher), _family(student)
+    t_tok = family_tokenizer(teacher, str(root / "t-tok"), texts, vocab_size=700, pieces=t_pieces)
+    s_tok = family_tokenizer(student, str(root / "s-tok"), texts[::-1], vocab_size=500,  # other merges and ids
+                             pieces=s_pieces)
     t_dir, s_dir = str(root / "teacher"), str(root / "student")
     family_model(t_tok, t_dir, arch=FAMILY_ARCH[teacher], seed=0)
     family_model(s_tok, s_dir, arch=FAMILY_ARCH[student], seed=1)
@@ -53,7 +66,7 @@ def build(root, teacher, student, data_rows):
 @pytest.fixture(scope="module", params=PAIRS, ids=[f"{t}-to-{s}" for t, s in PAIRS])
 def pair(request, tmp_path_factory):
     teacher, student = request.param
-    return build(tmp_path_factory.mktemp(f"{teacher}-{student}"), teacher, student, chats())
+    return build(tmp_path_factory.mktemp(f"{teacher}-{student}".replace(":", "-")), teacher, student, chats())
 
 
 def converted(pair):
