@@ -196,8 +196,9 @@ def check_order(path, order, new_cache=False):
     raise TrainDataError(f"{path} cannot be resumed by this run: " + "; ".join(differ) + f". To go on, {hint}.")
 
 
-def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, keep, order, lora=None):
+def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, keep, order, lora=None, extra=None):
     """Save on every rank (collective), then commit on rank 0. order: what the reader positions refer to.
+    extra: more of this rank's state, as JSON values by key (rank_value reads one back).
     lora: a LoRA run's settings (train/lora.py): the checkpoint then holds the adapters and their optimizer state
     only, not the frozen base weights (the run reloads those from --student)."""
     tmp = os.path.join(out, CKPT_DIR, f".tmp-step-{step:08d}")
@@ -210,7 +211,7 @@ def save(engine, out, step, *, rank, world, client_state, rank_state, barrier, k
         engine.save_checkpoint(tmp, tag=TAG, client_state=client_state)
         # Per-rank state: RNG (python/numpy/torch) and the reader's position, as JSON.
         atomic_write_bytes(os.path.join(tmp, f"rank-{rank:05d}.json"),
-                           json.dumps({"rng": rng_state(), "reader": rank_state}).encode())
+                           json.dumps({"rng": rng_state(), "reader": rank_state, **(extra or {})}).encode())
     except (OSError, RuntimeError) as e:        # torch reports a full disk as "file write failed", no path
         raise TrainDataError(write_failure(out, tmp, step, e)) from e
     barrier()
@@ -291,6 +292,11 @@ def restore_rng(path, rank):
     """Set this rank's RNG to what checkpoint `path` saved (a run carried on in its own process, trainer.next_cache,
     draws as one resumed from the checkpoint would)."""
     set_rng_state(_rank_state(path, rank)["rng"])
+
+
+def rank_value(path, rank, key):
+    """What save's `extra` held under key for this rank, or None."""
+    return _rank_state(path, rank).get(key)
 
 
 def _rank_state(path, rank):

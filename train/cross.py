@@ -282,6 +282,27 @@ def cross_converters(cfg, tok, streams) -> list:
     return [None if same_tokenizer(tok, s.cache.manifest) else CrossTokenizer(s.cache, tok) for s in streams]
 
 
+def coverage_state(converters) -> list:
+    """Each converter's counts so far (None where a cache is token-exact), for a checkpoint: a resumed run's
+    coverage then covers every sample trained since step 1, not only its own."""
+    return [None if c is None else {"positions": {str(k): v for k, v in c.coverage.positions.items()},
+                                    "topk_mass": c.coverage.topk_mass, "mapped_mass": c.coverage.mapped_mass,
+                                    "samples": c.coverage.samples, "skipped": dict(c.coverage.skipped),
+                                    "first_skip": dict(c.coverage.first_skip)} for c in converters or ()]
+
+
+def restore_coverage(converters, saved):
+    """Set the converters' counts to a checkpoint's (coverage_state); nothing where it holds none or is of
+    other caches."""
+    if not saved or len(saved) != len(converters or ()):
+        return
+    for c, s in zip(converters, saved):
+        if c is not None and s is not None:
+            c.coverage = Coverage(positions=Counter({int(k): v for k, v in s["positions"].items()}),
+                                  topk_mass=s["topk_mass"], mapped_mass=s["mapped_mass"], samples=s["samples"],
+                                  skipped=Counter(s["skipped"]), first_skip=dict(s["first_skip"]))
+
+
 def loss_by_kind(kinds, cfg, loss_of):
     """The loss of a batch whose positions have kinds (Batch.position_kinds): cfg at the positions trained on the
     teacher's mapped distribution, the student's cross-entropy (the sft objective) at the others. loss_of(keep,

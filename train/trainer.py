@@ -23,7 +23,7 @@ from kdcache.common.signals import StopFlag
 from . import checkpoint, counts, lora
 from .batch import collate
 from .checks import check_inputs, check_records, check_token_rkl_records
-from .cross import KINDS, coverage_line, cross_converters
+from .cross import KINDS, coverage_line, coverage_state, cross_converters, restore_coverage
 from .data import CacheStream
 from .distributed import all_reduce, deepspeed_config, init_distributed, reported_grad_norm, total_norm
 from .final import save_final, stops_like_the_teacher
@@ -192,6 +192,7 @@ def _setup(cfg):
             stream.carry_over(reader_state)
         else:
             stream.load_state_dict(reader_state)
+            restore_coverage(run.cross, checkpoint.rank_value(ckpt, rank, "cross_coverage"))
         if rank == 0:
             print(f"resumed from {ckpt} at step {run.step}" + (" on a new cache, read from its start"
                                                               if run.fresh_reader else ""), flush=True)
@@ -356,7 +357,8 @@ def save(run):
     import torch.distributed as dist
     checkpoint.save(run.engine, run.cfg.out, run.step, rank=run.rank, world=run.world,
                     client_state={"step": run.step}, rank_state=run.stream.state_dict(), barrier=dist.barrier,
-                    keep=run.cfg.keep_checkpoints, order=run.stream.order(), lora=lora.settings(run.cfg))
+                    keep=run.cfg.keep_checkpoints, order=run.stream.order(), lora=lora.settings(run.cfg),
+                    extra={"cross_coverage": coverage_state(run.cross)} if any(run.cross or ()) else None)
 
 
 def _untrained(run):

@@ -269,6 +269,10 @@ def test_kill9_mid_run_then_resume_gives_the_uninterrupted_losses(trained, tmp_p
     assert [r["step"] for r in got] == list(range(1, 11))
     keys = ["loss"] + [f"loss_{k}" for k in xt.KINDS]
     assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]
+    # the coverage counts every sample trained since step 1: the checkpoint carries them over the kill
+    cov = [json.load(open(d / "train_summary.json"))["cross_tokenizer"][trained["cache"]]
+           for d in (tmp_path / "o", tmp_path / "ref")]
+    assert cov[0] == cov[1] and cov[0]["samples"] >= 10 * 2
 
 
 def test_a_generate_mode_cache_trains_the_teachers_own_completions_in_the_students_tokens(tmp_path):
