@@ -1,7 +1,8 @@
 """Cross-tokenizer distillation from a cache (issue 46): a ChatML teacher's cache trained into a Llama 3-template
 student whose tokenizer has other merges, other ids and another vocabulary size.
 
-    .venv/bin/python bench/cross_tokenizer.py [--seeds 3] [--steps 800] [--out bench/work/cross]
+    .venv/bin/python bench/cross_tokenizer.py [--seeds 3] [--steps 800] [--out bench/work/cross] [--arms A,B]
+        [--noise 0.4]      # that share of the cache's chats with a wrong answer
 
 Task: the demo's (a job posting -> its required skills, then the end of turn). The teacher (the demo's tokenizer:
 byte-level BPE, 512 ids, ChatML, <|im_end|>; hidden 96) is trained on 2,000 chats. One cache of 800 other chats
@@ -31,12 +32,15 @@ sys.path.insert(0, ROOT)
 
 from runs import kdcache, write_jsonl  # noqa: E402
 
-from kdcache.demo.task import f1, labels, make_example  # noqa: E402
+from kdcache.demo.task import SKILLS, f1, labels, make_example  # noqa: E402
 
 NEW_TOKENS = 32
 
 
-def make_data(n_teacher, n_distil, n_held, seed=0):
+def make_data(n_teacher, n_distil, n_held, seed=0, noise=0.0):
+    """(teacher's chats, the cache's chats, held-out chats), disjoint. noise: the share of the cache's chats whose
+    answer is replaced by as many other skills (references with errors, as real data has; the teacher, trained
+    on clean chats, scores them all)."""
     rng, seen, out = random.Random(seed), set(), []
     for n in (n_teacher, n_distil, n_held):
         part = []
@@ -46,6 +50,11 @@ def make_data(n_teacher, n_distil, n_held, seed=0):
                 seen.add(r["messages"][0]["content"])
                 part.append(r)
         out.append(part)
+    wrong = random.Random(seed + 1)
+    for r in out[1]:
+        if wrong.random() < noise:
+            k = len(labels(r["messages"][-1]["content"]))
+            r["messages"][-1]["content"] = ", ".join(wrong.sample(sorted(SKILLS), k))
     return out
 
 
@@ -66,7 +75,7 @@ def setup(out, args):
     if os.path.isfile(done):
         return json.load(open(done))
     os.makedirs(d, exist_ok=True)
-    teach, distil, held = make_data(args.teacher_chats, args.distil_chats, args.heldout)
+    teach, distil, held = make_data(args.teacher_chats, args.distil_chats, args.heldout, noise=args.noise)
     texts = list(corpus(teach + distil))
     t_tok = train_tokenizer(texts, os.path.join(d, "t-tok"), vocab_size=512)
     t0 = time.time()
@@ -135,6 +144,10 @@ def main():
     ap.add_argument("--student-size", default="test")
     ap.add_argument("--distil-chats", type=int, default=800)
     ap.add_argument("--heldout", type=int, default=150)
+    ap.add_argument("--noise", type=float, default=0.0, help="share of the cache's chats with a wrong answer "
+                    "(the teacher's chats and the held-out ones stay clean)")
+    ap.add_argument("--arms", default="all", help="comma-separated arm names (e.g. 'cross-tokenizer KD,"
+                    "cross-tokenizer SFT'), or all")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -150,6 +163,8 @@ def main():
             "cross-tokenizer SFT": (info["student_cross"], ("--cross-tokenizer", "--objective", "sft")),
             "same-tokenizer KD": (info["student_same"], ()),
             "same-tokenizer SFT": (info["student_same"], ("--objective", "sft"))}
+    if args.arms != "all":
+        arms = {name: arms[name] for name in args.arms.split(",")}
     coverage, speed = {}, {}
     for seed in range(args.seeds):
         for name, (student, extra) in arms.items():
@@ -171,6 +186,12 @@ def main():
         tps = f"{statistics.mean(speed[name]):,.0f}" if name in speed else "-"
         print(f"| {name} | {figs['stop'][0]:.3f} ± {figs['stop'][1]:.3f} | {figs['f1'][0]:.3f} ± {figs['f1'][1]:.3f} "
               f"| {tps} |")
+    kd, sft = rows.get("cross-tokenizer KD"), rows.get("cross-tokenizer SFT")
+    if kd and sft:                         # the same seed's two students: data order and initial weights shared
+        diff = [a["f1"] - b["f1"] for a, b in zip(kd, sft)]
+        print(f"cross KD - cross SFT, F1 paired by seed: {statistics.mean(diff):+.3f} ± "
+              f"{statistics.stdev(diff) if len(diff) > 1 else 0.0:.3f}; KD ahead in {sum(d > 0 for d in diff)} "
+              f"of {len(diff)} seeds")
     for name, cov in coverage.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in cov.items() if k != "first_skipped"))
