@@ -58,10 +58,6 @@ def make_data(n_teacher, n_distil, n_held, seed=0, noise=0.0):
     return out
 
 
-
-
-
-
 def setup(out, args):
     from transformers import AutoTokenizer
 

@@ -115,10 +115,12 @@ class CrossTokenizer:
         self.where, self.manifest = cache_dir, manifest
         self.t_pieces, self.s_pieces = token_bytes(self.teacher), token_bytes(student_tok)
         self.t_prefix, self.s_prefix = dummy_prefix(self.teacher), dummy_prefix(student_tok)
+        self.t_added = set(self.teacher.added_tokens_decoder)      # (a property built anew at each access)
+        self.s_added = set(student_tok.added_tokens_decoder)
         self.t_ends = set(manifest.eos_token_ids)
         self.s_ends = set(end_of_turn_ids(student_tok))
         s_eot = _template_end(student_tok, self.s_ends)
-        self.t2s = first_token_map(self.t_pieces, student_tok, self.s_pieces, self.teacher.added_tokens_decoder,
+        self.t2s = first_token_map(self.t_pieces, student_tok, self.s_pieces, self.t_added,
                                    {t: s_eot for t in self.t_ends}, student_prefix=self.s_prefix)
         self.student_vocab = len(student_tok)
         self._starts = [s.sample_start for s in manifest.shards]
@@ -173,8 +175,8 @@ class CrossTokenizer:
                 return self._skip(rec, "truncated", "cut at the precompute's max_length")
             return self._skip(rec, "teacher_rendering", "the teacher's template renders it to other ids than the "
                               "cache holds")
-        t_seq = sequence_pieces(self.t_pieces, t_ids, self.teacher.added_tokens_decoder, self.t_prefix)
-        s_seq = sequence_pieces(self.s_pieces, s_ids, self.student.added_tokens_decoder, self.s_prefix)
+        t_seq = sequence_pieces(self.t_pieces, t_ids, self.t_added, self.t_prefix)
+        s_seq = sequence_pieces(self.s_pieces, s_ids, self.s_added, self.s_prefix)
         t_bytes, s_bytes = starts(t_seq), starts(s_seq)
         for side, text, seq in (("teacher", t_text, t_seq), ("student", s_text, s_seq)):
             if b"".join(seq) != text.encode("utf-8"):
@@ -225,7 +227,7 @@ class CrossTokenizer:
         ids = rec.input_ids[int(rec.positions[0]) + 1:].tolist()
         if not rec.truncated and ids and ids[-1] in self.t_ends:
             ids = ids[:-1]
-        if any(t in self.teacher.added_tokens_decoder for t in ids):
+        if any(t in self.t_added for t in ids):
             return None
         text = utf8_text(b"".join(self.t_pieces[t] for t in ids), bool(rec.truncated))
         return None if text is None else before_last_answer(msgs) + [{"role": "assistant", "content": text}]
