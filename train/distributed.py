@@ -8,20 +8,35 @@ import torch
 
 from .extensions import build_guard, skip_cpu_comm_op
 
+PORT_TRIES = 8      # a one-rank world's free port can be taken by another process before its store binds it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 def init_distributed():
-    """Single process without a launcher gets a one-rank world on a free local port."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    """Single process without a launcher gets a one-rank world on a free local port (another, if that one was
+    taken between finding it and binding it: two trainings started at once, seen under pytest-xdist)."""
+    own_world = "RANK" not in os.environ
+    if own_world:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     import deepspeed
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":                 # each rank on its own GPU before NCCL or DeepSpeed touch one
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     load_extensions()
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    for attempt in range(PORT_TRIES if own_world else 1):
+        if own_world:
+            os.environ["MASTER_PORT"] = str(_free_port())
+        try:
+            deepspeed.init_distributed(dist_backend=backend, verbose=False)
+            break
+        except torch.distributed.DistNetworkError as e:
+            if not own_world or "EADDRINUSE" not in str(e) or attempt == PORT_TRIES - 1:
+                raise
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 

@@ -51,3 +51,26 @@ def test_every_all_reduce_argument_is_on_the_collective_device(gloo_group, monke
 def test_on_gloo_the_collective_device_is_the_cpu(gloo_group):
     assert distributed.collective_device() == torch.device("cpu")
     assert distributed.all_reduce([1.5], op="min") == [1.5]
+
+
+def test_a_one_rank_world_whose_free_port_was_taken_meanwhile_takes_another(tmp_path):
+    """init_distributed finds a free port, then the store binds it; another process can take it in between (two
+    trainings started at once: EADDRINUSE under pytest-xdist). Here the first port it finds is held, listening."""
+    import subprocess
+    import sys
+    script = tmp_path / "world.py"
+    script.write_text(
+        "import os, socket\n"
+        "from kdcache.train import distributed\n"
+        "held = socket.socket(); held.bind(('127.0.0.1', 0)); held.listen()\n"
+        "taken = held.getsockname()[1]\n"
+        "ports = [taken]\n"
+        "real = distributed._free_port\n"
+        "distributed._free_port = lambda: ports.pop() if ports else real()\n"
+        "print(distributed.init_distributed(), taken, os.environ['MASTER_PORT'])\n")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    *world, taken, used = res.stdout.strip().splitlines()[-1].split()
+    assert " ".join(world) == "(0, 1)" and used != taken
