@@ -1,7 +1,10 @@
 """Tensors handed to a collective live on the device the process group serves (issue 24): NCCL refuses CPU
 tensors, so the first GPU step would fail in all_reduce. No GPU needed: the NCCL case is checked by placement,
 the gloo case by a real one-rank group."""
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -56,8 +59,6 @@ def test_on_gloo_the_collective_device_is_the_cpu(gloo_group):
 def test_a_one_rank_world_whose_free_port_was_taken_meanwhile_takes_another(tmp_path):
     """init_distributed finds a free port, then the store binds it; another process can take it in between (two
     trainings started at once: EADDRINUSE under pytest-xdist). Here the first port it finds is held, listening."""
-    import subprocess
-    import sys
     script = tmp_path / "world.py"
     script.write_text(
         "import os, socket\n"
@@ -68,7 +69,7 @@ def test_a_one_rank_world_whose_free_port_was_taken_meanwhile_takes_another(tmp_
         "real = distributed._free_port\n"
         "distributed._free_port = lambda: ports.pop() if ports else real()\n"
         "print(distributed.init_distributed(), taken, os.environ['MASTER_PORT'])\n")
-    env = {k: v for k, v in __import__("os").environ.items()
+    env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
